@@ -160,9 +160,8 @@ class SpeculativeDecoder:
         out = target.forward(torch.tensor([prompt_ids], device=device), cache, logits_to_keep=1)
         anchor = sample_tokens(out.logits[:, -1], self.temperature, self.generator)
         draft_cache = DraftContextCache(len(self.drafter.layers))
-        with torch.inference_mode():
-            positions = torch.arange(len(prompt_ids), device=device)[None]
-            self.drafter.extend_context(draft_cache, out.features, positions)
+        positions = torch.arange(len(prompt_ids), device=device)[None]
+        self.drafter.extend_context(draft_cache, out.features, positions)
         stats.prefill_s += time.perf_counter() - t0
         return DecodeState(cache, draft_cache, anchor, len(prompt_ids), [int(anchor)])
 

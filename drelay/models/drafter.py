@@ -240,6 +240,7 @@ class BlockDrafter(nn.Module):
         cos, sin = self._cos_sin(positions)
         return [layer.attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
+    @torch.inference_mode()
     def extend_context(self, cache: DraftContextCache, features: torch.Tensor, positions: torch.Tensor) -> None:
         """Append newly committed positions' target features to the drafter's context cache."""
         for i, (k, v) in enumerate(self.context_kv(features, positions)):

