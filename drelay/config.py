@@ -97,6 +97,109 @@ class DecodeConfig:
         _require(self.sampling_rule in SAMPLING_RULES, "sampling_rule", rules, self.sampling_rule)
 
 
+TRAIN_SOURCES = ("gsm8k", "mbpp", "self_instruct", "codealpaca")
+BENCHMARKS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "mt_bench", "alpaca")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """What a run is called and how it uses the machine."""
+
+    profile: str = "default"  # profile name: MLflow experiment "drelay-<profile>", tag "profile"
+    seed: int = 0  # global seed (data split, anchors, init)
+    threads: int = 0  # torch CPU threads; 0 = torch's default
+
+    def __post_init__(self) -> None:
+        _require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.profile)), "profile",
+                 "letters, digits, '_', '.' or '-'", self.profile)
+        _require(self.threads >= 0, "threads", ">= 0", self.threads)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Training prompts and benchmark sets (prepare_data)."""
+
+    mirror: str = "../shared"  # offline copies (benchmarks/, train_prompts/); relative to the repo root
+    train_sources: tuple[str, ...] = ("gsm8k", "mbpp", "self_instruct")  # codealpaca: CC BY-NC, opt in
+    max_train_prompts: int = 2000  # cap after shuffling (0 = all)
+    val_prompts: int = 64  # held out from the training prompts (early stopping, replay/live tau)
+    max_prompt_chars: int = 2000  # longer prompts are dropped
+    out_dir: str = "data/prepared"  # train.jsonl, val.jsonl, benchmarks/<name>.jsonl
+
+    def __post_init__(self) -> None:
+        for source in self.train_sources:
+            _require(source in TRAIN_SOURCES, "train_sources", f"a list from {', '.join(TRAIN_SOURCES)}", source)
+        _require(len(self.train_sources) >= 1, "train_sources", "non-empty", self.train_sources)
+        _require(self.max_train_prompts >= 0, "max_train_prompts", ">= 0", self.max_train_prompts)
+        _require(self.val_prompts >= 1, "val_prompts", ">= 1", self.val_prompts)
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    """The target regenerates responses; tokens and context features are stored in shards."""
+
+    max_new_tokens: int = 256  # response budget per prompt
+    max_prompt_tokens: int = 384  # prompts longer than this (after the chat template) are skipped
+    batch_size: int = 16  # prompts generated together (left-padded)
+    temperature: float = 0.0  # 0 = greedy, the usual setting for distillation
+    shard_size: int = 128  # sequences per shard file (the unit of resume)
+    feature_dtype: str = "bfloat16"  # dtype the context features are stored in
+    out_dir: str = "data/distilled"
+
+    def __post_init__(self) -> None:
+        _require(self.max_new_tokens >= 1, "max_new_tokens", ">= 1", self.max_new_tokens)
+        _require(self.max_prompt_tokens >= 1, "max_prompt_tokens", ">= 1", self.max_prompt_tokens)
+        _require(self.batch_size >= 1, "batch_size", ">= 1", self.batch_size)
+        _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _require(self.shard_size >= 1, "shard_size", ">= 1", self.shard_size)
+        _require(self.feature_dtype in DTYPES, "feature_dtype", f"one of {', '.join(DTYPES)}", self.feature_dtype)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Drafter training (train_dflash): DFlash objective on the distilled shards."""
+
+    max_steps: int = 3000  # optimizer steps (upper bound; early stopping may end sooner)
+    blocks_per_step: int = 256  # training blocks (random anchors) per optimizer step
+    anchors_per_sequence: int = 16  # blocks drawn from one distilled sequence per visit
+    lr: float = 6e-4  # peak AdamW learning rate
+    weight_decay: float = 0.0
+    warmup_steps: int = 100  # linear warmup, then cosine decay to lr * min_lr_ratio
+    min_lr_ratio: float = 0.1
+    grad_clip: float = 1.0  # max global grad norm
+    gamma: float = 4.0  # position decay of the CE weight exp(-(i-1)/gamma) (7 for B=16, 4 for B=8)
+    eval_every: int = 100  # steps between held-out evaluations (loss, hit rates, replay tau)
+    checkpoint_every: int = 100  # steps between resumable checkpoints
+    patience: int = 5  # evaluations without held-out loss improvement before stopping (0 = never)
+    val_fraction: float = 0.05  # share of distilled sequences held out for evaluation
+    live_prompts: int = 8  # validation prompts decoded live with the engine at the end
+    live_max_new_tokens: int = 128
+    out_dir: str = "models/drafter"  # the trained drafter folder
+    checkpoint_dir: str = "checkpoints/train_dflash"
+
+    def __post_init__(self) -> None:
+        for key in ("max_steps", "blocks_per_step", "anchors_per_sequence", "eval_every", "checkpoint_every"):
+            _require(getattr(self, key) >= 1, key, ">= 1", getattr(self, key))
+        _require(self.lr > 0, "lr", "> 0", self.lr)
+        _require(self.gamma > 0, "gamma", "> 0", self.gamma)
+        _require(0 < self.val_fraction < 1, "val_fraction", "in (0, 1)", self.val_fraction)
+        _require(self.patience >= 0, "patience", ">= 0", self.patience)
+        _require(self.live_prompts >= 0, "live_prompts", ">= 0", self.live_prompts)
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """Scheduled retraining: a Prefect deployment that re-runs `dvc repro`."""
+
+    cron: str = "0 3 * * 0"  # when to re-run the pipeline (Sundays 03:00)
+    timezone: str = "UTC"
+    port: int = 4200  # the local Prefect server's port on 127.0.0.1
+
+    def __post_init__(self) -> None:
+        _require(len(self.cron.split()) == 5, "cron", "a 5-field cron expression", self.cron)
+        _require(0 < self.port < 65536, "port", "a TCP port", self.port)
+
+
 @dataclass(frozen=True)
 class Params:
     """All of params.yaml, one attribute per section; a section absent from the file is defaults."""
@@ -104,6 +207,11 @@ class Params:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfig = field(default_factory=DrafterConfig)
     decode: DecodeConfig = field(default_factory=DecodeConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
 # The registry: section name -> its dataclass, in file order.
