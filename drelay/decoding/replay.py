@@ -25,6 +25,7 @@ ORACLE = "oracle"
 @dataclass
 class ReplayStats:
     taus: list[float] = field(default_factory=list)  # per sequence: mean (accepted + 1) per step
+    accept_lengths: list[list[int]] = field(default_factory=list)  # per sequence, per step
     steps: int = 0
     accepted_at: torch.Tensor | None = None  # (B-1,) blocks whose draft i was accepted
     reached: torch.Tensor | None = None  # (B-1,) blocks where position i was checked (prefix correct)
@@ -77,6 +78,7 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
         steps = torch.zeros(b, device=device)
         active = anchors <= lengths - 2
         n_steps = 0
+        lengths_log: list[list[int]] = [[] for _ in seqs]
         while bool(active.any()) and (max_steps is None or n_steps < max_steps):
             n_steps += 1
             a = anchors.clamp(max=T - 2)[:, None]  # (b, 1); finished rows are computed and ignored
@@ -106,10 +108,13 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
             stats.replaced_right += int((replaced & (draft == labels)).sum())
             stats.harmed += int((replaced & (native == labels)).sum())
             stats.positions += int(reached.sum())
+            for row in active.nonzero().squeeze(1).tolist():
+                lengths_log[row].append(int(accept_len[row]))
             accepted += torch.where(active, accept_len.float(), 0.0)
             steps += active.float()
             anchors = torch.where(active, anchors + accept_len + 1, anchors)
             active = anchors <= lengths - 2
         stats.steps += int(steps.sum())
         stats.taus.extend((accepted / steps.clamp(min=1) + 1).tolist())
+        stats.accept_lengths.extend(lengths_log)
     return stats

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
+from drelay.decoding.cache import growable_cache
+
 DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
@@ -152,7 +154,7 @@ class Target:
 
     # --------------------------------------------------------------------------------- forward
     def new_cache(self) -> DynamicCache:
-        return DynamicCache(config=self.config)
+        return growable_cache(self.config)
 
     @torch.no_grad()  # not inference_mode: distilled features may later feed autograd (training)
     def forward(self, input_ids: torch.Tensor, cache: DynamicCache | None = None,
