@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import inspect
 import json
 import shutil
 from dataclasses import dataclass
@@ -82,6 +83,9 @@ class Target:
         self.config = model.config
         self._captured: list[torch.Tensor] = []
         self._hooks: list = []
+        # transformers renamed `past_key_values` to `cache` within 5.x; accept either release
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self.layer_ids: list[int] = []
         self.set_layer_ids(layer_ids or [])
 
@@ -166,9 +170,9 @@ class Target:
         attention_mask (b, past + t) marks real tokens (1) against left padding (0) in batches.
         """
         self._captured.clear()
-        out = self.model(input_ids=input_ids, cache=cache, position_ids=position_ids,
-                         attention_mask=attention_mask, use_cache=cache is not None,
-                         logits_to_keep=logits_to_keep)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                         use_cache=cache is not None, logits_to_keep=logits_to_keep,
+                         **{self._cache_kwarg: cache})
         features = torch.cat(self._captured, dim=-1) if capture and self._captured else None
         self._captured.clear()
         return TargetOutput(logits=out.logits, features=features)

@@ -1,4 +1,7 @@
-"""Training losses. DFlash: position-decayed cross-entropy over the block (DESIGN §1.6)."""
+"""Training losses (DESIGN §1.6). DFlash: position-decayed cross-entropy over the block. DRelay adds
+candidate support (keep the true token in the pool: logit hinge + the reader's per-candidate BCE)
+and the repair loss (selector CE over the pool, weighted by each position's share of the accepted
+prefix). Every function takes any leading dims, e.g. (b, nA, B-1) or (b, B-1)."""
 
 from __future__ import annotations
 
@@ -32,3 +35,86 @@ def hit_rates(logits: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, t
     dims = tuple(range(labels.dim() - 1))
     count = valid.sum(dims).clamp(min=1)
     return {"top1": top1.sum(dims) / count, "topk": in_pool.sum(dims) / count, "count": valid.sum(dims)}
+
+
+def support_hinge(logits: torch.Tensor, labels: torch.Tensor, k: int, margin: float = 1.0) -> torch.Tensor:
+    """mean softplus(z_(k) - z_y + margin): z_(k) is the k-th largest logit among the competitors
+    (the label excluded), so z_y > z_(k) means y is inside the top-k pool. logits (..., V), labels (...)."""
+    valid = labels != IGNORE
+    y = labels.clamp(min=0)[..., None]  # (..., 1)
+    z = logits.float()
+    z_y = z.gather(-1, y).squeeze(-1)
+    competitors = z.scatter(-1, y, float("-inf"))  # (..., V) without the label
+    z_k = competitors.topk(k, dim=-1).values[..., k - 1]
+    loss = F.softplus(z_k - z_y + margin) * valid
+    return loss.sum() / valid.sum().clamp(min=1)
+
+
+def pool_index(pool_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pool_ids (..., k), labels (...) -> (index of the label in the pool (0 where absent), in_pool);
+    IGNORE labels are never in the pool."""
+    match = pool_ids == labels[..., None]  # (..., k)
+    return match.long().argmax(-1), match.any(-1) & (labels != IGNORE)
+
+
+def reader_bce(support_logits: torch.Tensor, pool_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """BCE of the reader's "c_{i,j} is correct" head, mean over every candidate of valid positions."""
+    target = (pool_ids == labels[..., None]).to(support_logits.dtype)  # (..., k)
+    valid = (labels != IGNORE)[..., None].expand_as(target).to(support_logits.dtype)
+    bce = F.binary_cross_entropy_with_logits(support_logits, target, reduction="none")
+    return (bce * valid).sum() / valid.sum().clamp(min=1)
+
+
+@torch.no_grad()
+def prefix_weights(pi: torch.Tensor, eps: float = 1e-2, valid: torch.Tensor | None = None,
+                   normalize: bool = True) -> torch.Tensor:
+    """ω over the last dim (the block's positions) from π (..., n), the selector's probability of
+    the true token (0 if outside the pool).
+
+    With π floored at eps, E[accepted length] = Σ_n Π_{m<=n} π_m and ω_i = dE/dlog π_i =
+    Σ_{n>=i} Π_{m<=n} π_m. Invalid positions (past the sequence end) have π = 0 (no floor) and
+    ω = 0. normalize: per block, ω is rescaled to mean 1 over its valid positions (Σ ω = #valid), so
+    each block weighs like plain CE over its positions and only the shape within the block comes
+    from ω. Computed in float64: Π of 15 floored π would underflow float32.
+    """
+    dtype = pi.dtype
+    valid = torch.ones_like(pi, dtype=torch.bool) if valid is None else valid
+    pi = torch.where(valid, pi.double().clamp(min=eps), 0.0)
+    reach = pi.cumprod(-1)  # (..., n): Π_{m<=n} π_m
+    omega = reach.flip(-1).cumsum(-1).flip(-1)  # (..., n): Σ_{n>=i}
+    if normalize:
+        count = valid.sum(-1, keepdim=True)
+        omega = omega * count / omega.sum(-1, keepdim=True).clamp(min=1e-300)
+    return omega.to(dtype)
+
+
+def repair_loss(sigma: torch.Tensor, pool_ids: torch.Tensor, labels: torch.Tensor,
+                omega: torch.Tensor) -> torch.Tensor:
+    """ω-weighted CE of softmax(σ_{i,·}) against the pool index of y_i, over positions whose y_i
+    is in the pool: Σ ω·CE / Σ ω (a weighted mean). sigma, pool_ids (..., k); labels, omega (...)."""
+    index, in_pool = pool_index(pool_ids, labels)
+    ce = -torch.log_softmax(sigma.float(), dim=-1).gather(-1, index[..., None]).squeeze(-1)
+    w = omega.float() * in_pool
+    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+
+
+def drelay_loss(logits: torch.Tensor, labels: torch.Tensor, sigma: torch.Tensor, support_logits: torch.Tensor,
+                pool_ids: torch.Tensor, *, gamma: float, lambda_support: float = 1.0, lambda_repair: float = 1.0,
+                hinge_margin: float = 1.0, eps: float = 1e-2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """L = L_ce + λ_s·(hinge + reader BCE) + λ_r·L_repair (DESIGN §1.6) and every term, detached.
+
+    logits (..., n, V); labels (..., n); sigma, support_logits, pool_ids (..., n, k) from
+    `DRelay.score` on the pool of these logits. π (for ω) is the detached softmax(σ) of the true token.
+    """
+    ce, _ = dflash_ce(logits, labels, gamma)
+    hinge = support_hinge(logits, labels, pool_ids.shape[-1], hinge_margin)
+    bce = reader_bce(support_logits, pool_ids, labels)
+    index, in_pool = pool_index(pool_ids, labels)
+    pi = torch.softmax(sigma.detach().float(), -1).gather(-1, index[..., None]).squeeze(-1) * in_pool
+    omega = prefix_weights(pi, eps, valid=labels != IGNORE)
+    repair = repair_loss(sigma, pool_ids, labels, omega)
+    support = hinge + bce
+    loss = ce + lambda_support * support + lambda_repair * repair
+    terms = {"loss": loss, "ce": ce, "support": support, "hinge": hinge, "reader_bce": bce, "repair": repair,
+             "selector_acc": ((sigma.argmax(-1) == index) & in_pool).sum() / in_pool.sum().clamp(min=1)}
+    return loss, {name: t.detach() for name, t in terms.items()}

@@ -18,9 +18,10 @@ def _data(target, n=24):
 
 @pytest.fixture(scope="module")
 def setup():
-    target = make_tiny_target(vocab_size=24, dtype=torch.float32, seed=2)
+    # init 0.12: continuations with learnable structure (runs, repeats), not noise
+    target = make_tiny_target(vocab_size=24, dtype=torch.float32, seed=2, init=0.12)
     target.set_layer_ids([1, 2, 3])
-    train, val = split_sequences(_data(target), 0.25, seed=0)
+    train, val = split_sequences(_data(target, 48), 0.25, seed=0)
     return target, train, val
 
 

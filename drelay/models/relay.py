@@ -1,0 +1,283 @@
+"""DRelay: a global reader over the whole block's candidate pools and a causal selector that
+repairs the drafter's native choices left to right (DESIGN §1.2-§1.4).
+
+    pool     : c_{i,1..k}, s_{i,1..k} = top-k of log_softmax(z_i)            (c_{i,1} = native)
+    reader   : u_{i,j} = A·E(c_{i,j}) + Bh·h_i + f(s_{i,j}) + pos_i + rank_j
+               -> R pre-norm encoder layers, FULL attention over the (B-1)*k candidates -> g_{i,j}
+    selector : r_i = GRU(proj(E(ŷ_m)) + g_{m,chosen} for m < i), ŷ_0 = anchor
+               σ_{i,j} = MLP([g_{i,j}; r_i]); replace the native only if max_{j>1} σ_{i,j} - σ_{i,1} > δ
+
+`score` runs the selector teacher-forced on the true tokens (training, all positions at once);
+`select` runs it sequentially on its own choices (inference, the engine's `repair=` hook).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+if TYPE_CHECKING:  # generate.py may import candidate_pool from here
+    from drelay.decoding.generate import DraftBlock
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+MIN_LOGPROB = -30.0  # pool log-probs are clamped here before f(s): lower all means "never"
+
+
+class RelayError(RuntimeError):
+    """A relay folder that is missing or corrupt, or a block the relay cannot read."""
+
+
+def candidate_pool(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., n, V) logits -> pool_ids, pool_logprobs (..., n, k): top-k of log_softmax in fp32,
+    sorted by log-prob, so column 0 is the native top-1 choice (DESIGN §1.2)."""
+    pool_logprobs, pool_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return pool_ids, pool_logprobs
+
+
+@dataclass
+class RelayConfig:
+    hidden_size: int  # H, the drafter's (= target's) width: h_i and E(c) live there
+    block_size: int = 8  # B: anchor + B-1 drafted positions (learned pos embeddings for B-1)
+    reader_dim: int = 256  # d_r, width of the reader and the selector
+    reader_layers: int = 2  # R, encoder layers of the global reader
+    reader_heads: int = 4
+    pool_size: int = 8  # k candidates per position (rank embeddings for k)
+    prefix_model: str = "gru"  # r_i: "gru", or "attn" (1-layer causal attention)
+    margin: float = 0.0  # δ >= 0: a replacement must beat the native's score by more than this
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        if self.prefix_model not in ("gru", "attn"):
+            raise ValueError(f"prefix_model must be 'gru' or 'attn', got {self.prefix_model!r}")
+        if self.margin < 0:
+            raise ValueError(f"margin (δ) must be >= 0, got {self.margin}")
+        if self.block_size < 2 or self.pool_size < 1 or self.reader_dim % self.reader_heads:
+            raise ValueError(f"need block_size >= 2, pool_size >= 1 and reader_dim divisible by "
+                             f"reader_heads, got {self.block_size}, {self.pool_size}, "
+                             f"{self.reader_dim}/{self.reader_heads}")
+
+
+class EncoderLayer(nn.Module):
+    """Pre-norm transformer layer: full attention (reader) or causal attention (attn prefix model)."""
+
+    def __init__(self, dim: int, heads: int, dropout: float):
+        super().__init__()
+        self.heads, self.dropout = heads, dropout
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+        b, t, d = x.shape
+        qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (b, nh, t, hs) each
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0)
+        x = x + F.dropout(self.out(y.transpose(1, 2).reshape(b, t, d)), self.dropout, self.training)  # (b, t, d)
+        return x + self.mlp(self.norm2(x))
+
+
+class GlobalReader(nn.Module):
+    """One token per candidate, full attention over the block: "York" at 3 can vouch for "New" at 2."""
+
+    def __init__(self, cfg: RelayConfig):
+        super().__init__()
+        d = cfg.reader_dim
+        self.A = nn.Linear(cfg.hidden_size, d, bias=False)  # candidate embedding E(c) -> d_r
+        self.Bh = nn.Linear(cfg.hidden_size, d)  # drafter hidden h_i -> d_r
+        self.f = nn.Sequential(nn.Linear(1, d), nn.GELU(), nn.Linear(d, d))  # log-prob s -> d_r
+        self.pos = nn.Parameter(torch.randn(cfg.block_size - 1, d) * 0.02)
+        self.rank = nn.Parameter(torch.randn(cfg.pool_size, d) * 0.02)
+        self.layers = nn.ModuleList(EncoderLayer(d, cfg.reader_heads, cfg.dropout) for _ in range(cfg.reader_layers))
+        self.norm = nn.LayerNorm(d)
+        self.support_head = nn.Linear(d, 1)  # "c_{i,j} is the correct token at i"
+
+    def forward(self, cand_embeds: torch.Tensor, hidden: torch.Tensor, pool_logprobs: torch.Tensor):
+        """cand_embeds (N, n, k, H), hidden (N, n, H), pool_logprobs (N, n, k) -> g (N, n, k, d), support (N, n, k)."""
+        N, n, k, _ = cand_embeds.shape
+        s = pool_logprobs.clamp(min=MIN_LOGPROB)[..., None]  # (N, n, k, 1)
+        u = self.A(cand_embeds) + self.Bh(hidden)[:, :, None] + self.f(s) + self.pos[:n, None] + self.rank[:k]
+        x = u.view(N, n * k, -1)  # (N, n*k, d): every candidate of the block is one token
+        for layer in self.layers:
+            x = layer(x)
+        g = self.norm(x).view(N, n, k, -1)  # (N, n, k, d)
+        return g, self.support_head(g).squeeze(-1)
+
+
+class CausalSelector(nn.Module):
+    """Prefix state r_i over the selected tokens ŷ_0..ŷ_{i-1}, and scores σ_{i,j} = MLP([g_{i,j}; r_i])."""
+
+    def __init__(self, cfg: RelayConfig):
+        super().__init__()
+        d = cfg.reader_dim
+        self.embed_proj = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.no_feature = nn.Parameter(torch.randn(d) * 0.02)  # the anchor, or a true token outside the pool
+        self.kind = cfg.prefix_model
+        self.prefix = (nn.GRU(d, d, batch_first=True) if self.kind == "gru"
+                       else EncoderLayer(d, cfg.reader_heads, cfg.dropout))
+        self.prefix_norm = nn.LayerNorm(d)
+        self.score_mlp = nn.Sequential(nn.Linear(2 * d, d), nn.GELU(), nn.Linear(d, 1))
+
+    def prefix_inputs(self, token_embeds, feature=None, has_feature=None) -> torch.Tensor:
+        """token_embeds (N, t, H), the chosen candidates' g (N, t, d) where has_feature (N, t) -> (N, t, d)."""
+        feat = self.no_feature if feature is None else torch.where(has_feature[..., None], feature, self.no_feature)
+        return self.embed_proj(token_embeds) + feat
+
+    def prefix_states(self, inputs: torch.Tensor, state=None):
+        """Inputs of ŷ_m..ŷ_{m+t-1} (N, t, d) -> r_{m+1}..r_{m+t} (N, t, d) and the state to continue from."""
+        if self.kind == "gru":
+            out, state = self.prefix(inputs, state)  # state: (1, N, d)
+        else:  # causal attention recomputed over the whole prefix so far (t <= B-1, cheap)
+            state = inputs if state is None else torch.cat([state, inputs], dim=1)  # (N, m+t, d)
+            out = self.prefix(state, causal=True)[:, -inputs.shape[1]:]
+        return self.prefix_norm(out), state
+
+    def score(self, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """g (N, t, k, d), r (N, t, d) -> σ (N, t, k)."""
+        r = r[:, :, None].expand_as(g)  # (N, t, k, d)
+        return self.score_mlp(torch.cat([g, r], dim=-1)).squeeze(-1)
+
+    def forward(self, g: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
+        """Parallel (teacher-forced): g (N, n, k, d), inputs of ŷ_0..ŷ_{n-1} (N, n, d) -> σ (N, n, k)."""
+        return self.score(g, self.prefix_states(inputs)[0])
+
+
+@dataclass
+class _SharedEmbedding:
+    """The target's frozen input embedding, held by reference (never saved with the relay)."""
+
+    embed_tokens: nn.Module
+
+
+class DRelay(nn.Module):
+    """Reader + selector. `score`: teacher-forced training pass; `select` / `__call__`: the repair hook."""
+
+    def __init__(self, cfg: RelayConfig):
+        super().__init__()
+        self.config = cfg
+        self.reader = GlobalReader(cfg)
+        self.selector = CausalSelector(cfg)
+        self.shared: _SharedEmbedding | None = None
+
+    @classmethod
+    def for_drafter(cls, drafter, **kwargs) -> "DRelay":
+        """A fresh relay sized for `drafter` (a BlockDrafter), on its device and dtype, bound to its embedding."""
+        cfg = RelayConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.config.block_size, **kwargs)
+        w = drafter.fc.weight
+        return cls(cfg).to(device=w.device, dtype=w.dtype).attach(drafter.shared.embed_tokens)
+
+    def attach(self, embed_tokens: nn.Module) -> "DRelay":
+        width = embed_tokens.weight.shape[-1]
+        if width != self.config.hidden_size:
+            raise RelayError(f"embedding width {width} != relay hidden_size {self.config.hidden_size}")
+        self.shared = _SharedEmbedding(embed_tokens)
+        return self
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
+        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, path / WEIGHTS_NAME)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, embed_tokens: nn.Module | None = None) -> "DRelay":
+        """Load a saved relay; with `embed_tokens` it moves to that embedding's device/dtype and binds it."""
+        path = Path(path)
+        try:
+            cfg = RelayConfig(**json.loads((path / CONFIG_NAME).read_text()))
+        except FileNotFoundError as err:
+            raise RelayError(f"no relay at {path}: {CONFIG_NAME} is missing") from err
+        except (json.JSONDecodeError, TypeError, ValueError) as err:
+            raise RelayError(f"corrupt relay config {path / CONFIG_NAME}: {err}") from err
+        relay = cls(cfg)
+        try:
+            relay.load_state_dict(load_file(path / WEIGHTS_NAME))
+        except Exception as err:  # safetensors raises several types for a truncated or missing file
+            raise RelayError(f"cannot read relay weights {path / WEIGHTS_NAME}: {err}") from err
+        relay.eval()
+        if embed_tokens is None:
+            return relay
+        w = embed_tokens.weight
+        return relay.to(device=w.device, dtype=w.dtype).attach(embed_tokens)
+
+    # ------------------------------------------------------------------------------ computation
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.shared is None:
+            raise RelayError("relay has no embedding: call relay.attach(target.embed_tokens) first")
+        return self.shared.embed_tokens(ids).to(self.reader.A.weight.dtype)
+
+    def read(self, hidden, pool_ids, pool_logprobs):
+        """hidden (N, n, H), pool (N, n, k) -> g (N, n, k, d), support logits (N, n, k)."""
+        n, k = pool_ids.shape[-2:]
+        if n > self.config.block_size - 1 or k > self.config.pool_size:
+            raise RelayError(f"block of {n} positions x {k} candidates exceeds the relay's "
+                             f"{self.config.block_size - 1} x {self.config.pool_size}")
+        dtype = self.reader.A.weight.dtype
+        return self.reader(self.embed(pool_ids), hidden.to(dtype), pool_logprobs.to(dtype))
+
+    def _inputs(self, g, pool_ids, tokens):
+        """Prefix inputs of tokens (N, t) sitting at the positions of g (N, t, k, d), pool_ids (N, t, k)."""
+        tokens = torch.where(tokens < 0, pool_ids[..., 0], tokens)  # padding (IGNORE): any valid id
+        match = pool_ids == tokens[..., None]  # (N, t, k)
+        j = match.long().argmax(-1)  # (N, t): which candidate (0 when not in the pool)
+        chosen = g.gather(2, j[..., None, None].expand(-1, -1, 1, g.shape[-1])).squeeze(2)  # (N, t, d)
+        return self.selector.prefix_inputs(self.embed(tokens), chosen, match.any(-1))
+
+    def score(self, hidden, pool_ids, pool_logprobs, anchor_ids, prefix_ids):
+        """Teacher-forced σ and support logits (..., n, k), all positions in parallel.
+
+        hidden (..., n, H); pool_ids, pool_logprobs (..., n, k); anchor_ids (...); prefix_ids (..., n):
+        the true tokens y_1..y_n (only y_1..y_{n-1} feed the prefix; negative ids are padding).
+        Conditioning on the true prefix is exact: position i only matters when all before it were right.
+        """
+        lead, (n, k) = pool_ids.shape[:-2], pool_ids.shape[-2:]
+        pool_ids = pool_ids.reshape(-1, n, k)  # (N, n, k)
+        g, support = self.read(hidden.reshape(-1, n, hidden.shape[-1]), pool_ids, pool_logprobs.reshape(-1, n, k))
+        anchor = self.selector.prefix_inputs(self.embed(anchor_ids.reshape(-1, 1)))  # (N, 1, d)
+        prev = prefix_ids.reshape(-1, n)[:, : n - 1]  # (N, n-1): y_1..y_{n-1}
+        inputs = torch.cat([anchor, self._inputs(g[:, : n - 1], pool_ids[:, : n - 1], prev)], dim=1)  # (N, n, d)
+        sigma = self.selector(g, inputs)
+        return sigma.view(*lead, n, k), support.view(*lead, n, k)
+
+    @torch.no_grad()
+    def select(self, block: DraftBlock, return_scores: bool = False, prefix_ids: torch.Tensor | None = None,
+               margin: float | None = None):
+        """Repair one block left to right: tokens (b, n) [, σ (b, n, k)].
+
+        Keeps the native c_{i,1} unless max_{j>1} σ_{i,j} - σ_{i,1} > δ (`margin`, default config.margin).
+        prefix_ids (b, n), for tests and analysis: feed these tokens to the prefix state instead of the choices.
+        """
+        margin = self.config.margin if margin is None else margin
+        pool_ids = block.pool_ids
+        b, n, k = pool_ids.shape
+        g, _ = self.read(block.hidden, pool_ids, block.pool_logprobs)  # (b, n, k, d)
+        x, state = self.selector.prefix_inputs(self.embed(block.anchor_ids[:, None])), None  # (b, 1, d)
+        tokens, scores = [], []
+        for i in range(n):
+            r, state = self.selector.prefix_states(x, state)  # (b, 1, d)
+            sigma = self.selector.score(g[:, i: i + 1], r)[:, 0]  # (b, k)
+            j = torch.zeros(b, dtype=torch.long, device=sigma.device)
+            if k > 1:
+                best, alt = sigma[:, 1:].max(-1)
+                j = torch.where(best - sigma[:, 0] > margin, alt + 1, j)
+            tokens.append(pool_ids[:, i].gather(1, j[:, None]))  # (b, 1)
+            scores.append(sigma)
+            if i < n - 1:
+                fed = tokens[-1] if prefix_ids is None else prefix_ids[:, i: i + 1]
+                x = self._inputs(g[:, i: i + 1], pool_ids[:, i: i + 1], fed)
+        tokens = torch.cat(tokens, dim=1)  # (b, n)
+        return (tokens, torch.stack(scores, dim=1)) if return_scores else tokens
+
+    def forward(self, block: DraftBlock) -> torch.Tensor:
+        """The engine's repair hook: `speculative_generate(..., repair=relay)`."""
+        return self.select(block)
+
+    repair = select

@@ -1,0 +1,167 @@
+"""The whole pipeline for real: `dvc repro` of the smoke profile in a temporary copy of the repo,
+the MLflow sqlite store read back, reruns, stage errors, and kill-then-resume of distill/train."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipelines.common import REPO_ROOT
+
+STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash")
+pytestmark = pytest.mark.slow
+
+
+def _copy_repo(dest: Path) -> Path:
+    """The files a fresh clone would have (tracked + new, ignored ones left out) in a new git repo."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=REPO_ROOT,
+                            capture_output=True, text=True, check=True).stdout.split("\n")
+    for rel in filter(None, listed):
+        if (REPO_ROOT / rel).is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / rel, dest / rel)
+    subprocess.run(["git", "init", "-q"], cwd=dest, check=True)
+    return dest
+
+
+def _set_params(repo: Path, updates: dict) -> None:
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    for dotted, value in updates.items():
+        section, key = dotted.split(".")
+        params.setdefault(section, {})[key] = value
+    (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+def _dvc(repo: Path, env: dict, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout + out.stderr
+
+
+def _runs_by_stage(uri: str) -> dict[str, list]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("drelay-smoke")
+    runs = client.search_runs([experiment.experiment_id])
+    by_stage: dict[str, list] = {}
+    for run in runs:
+        by_stage.setdefault(run.data.tags["stage"], []).append(run)
+    return by_stage
+
+
+@pytest.fixture(scope="module")
+def smoke_repo(tmp_path_factory, mirror):
+    tmp = tmp_path_factory.mktemp("pipeline")
+    repo = _copy_repo(tmp / "repo")
+    shutil.copy2(repo / "profiles" / "smoke.yaml", repo / "params.yaml")
+    _set_params(repo, {"data.mirror": str(mirror)})
+    return repo
+
+
+@pytest.fixture
+def env(subprocess_env, tmp_path_factory):
+    uri = f"sqlite:///{tmp_path_factory.getbasetemp() / 'mlflow.db'}"
+    return {**subprocess_env, "MLFLOW_TRACKING_URI": uri}
+
+
+def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
+    repo, uri = smoke_repo, env["MLFLOW_TRACKING_URI"]
+    log = _dvc(repo, env, "repro")
+    assert all(f"Running stage '{s}'" in log for s in STAGES), log
+    for path in ("models/target/config.json", "data/prepared/train.jsonl", "data/prepared/benchmarks/mt_bench.jsonl",
+                 "data/distilled/manifest.json", "models/drafter/model.safetensors", "reports/train_dflash.png",
+                 *(f"metrics/{s}.json" for s in STAGES)):
+        assert (repo / path).is_file(), path
+    trained = json.loads((repo / "metrics/train_dflash.json").read_text())
+    assert trained["replay_tau"] >= 1 and trained["oracle_tau"] >= trained["replay_tau"]
+    assert trained["live_tau"] >= 1 and trained["live_identical_rate"] == 1.0  # fp32 smoke target
+
+    runs = _runs_by_stage(uri)
+    assert {s: len(runs.get(s, [])) for s in STAGES} == {s: 1 for s in STAGES}
+    train_run = runs["train_dflash"][0]
+    assert {"train_loss", "val_loss", "replay_tau", "oracle_tau", "val_top1_pos1", "val_topk_pos1", "live_tau",
+            "blocks_per_s"} <= set(train_run.data.metrics)
+    assert train_run.data.params["train.lr"] == "0.001" and train_run.data.tags["profile"] == "smoke"
+    assert {"response_tokens", "sequences", "generation_tokens_per_s"} <= set(runs["distill"][0].data.metrics)
+
+    log = _dvc(repo, env, "repro")  # nothing changed: nothing runs
+    assert "Running stage" not in log, log
+    assert sum(len(r) for r in _runs_by_stage(uri).values()) == len(STAGES)
+
+    _set_params(repo, {"train.lr": 0.002})  # a training param: only train_dflash reads it
+    log = _dvc(repo, env, "repro")
+    assert "Running stage 'train_dflash'" in log
+    assert not any(f"Running stage '{s}'" in log for s in STAGES[:3]), log
+    runs = _runs_by_stage(uri)
+    assert len(runs["train_dflash"]) == 2 and all(len(runs[s]) == 1 for s in STAGES[:3])
+
+
+def _stage(repo: Path, env: dict, stage: str, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", f"pipelines.{stage}", *args], cwd=repo, env=env,
+                          capture_output=True, text=True, timeout=600, **kw)
+
+
+def test_bad_key_and_missing_mirror_are_clear_errors(smoke_repo, env, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((smoke_repo / "params.yaml").read_text().replace("max_steps:", "max_step:"))
+    out = _stage(smoke_repo, env, "train_dflash", "--params", str(bad))
+    assert out.returncode == 2 and "unknown key 'max_step' in section 'train'" in out.stderr
+    assert "did you mean 'max_steps'" in out.stderr and "Traceback" not in out.stderr
+
+    empty = tmp_path / "empty-mirror"
+    empty.mkdir()
+    out = _stage(smoke_repo, env, "prepare_data", "--set", f"data.mirror={empty}",
+                 "--set", f"data.out_dir={tmp_path / 'prepared'}")
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert str(empty / "benchmarks") in out.stderr and "openai/gsm8k" in out.stderr
+    assert (smoke_repo / "data/prepared/train.jsonl").is_file()  # what was computed is still there
+
+
+def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        assert proc.poll() is None, "the stage finished before it could be killed"
+        assert time.monotonic() < deadline, "timed out waiting to kill the stage"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+
+
+def test_killed_distill_and_train_resume_without_redoing_finished_work(smoke_repo, env):
+    repo = smoke_repo
+    distill_args = ["--set", "distill.out_dir=data/distill_kill", "--set", "distill.shard_size=2",
+                    "--set", "distill.batch_size=2", "--set", "distill.max_new_tokens=200"]
+    shards = repo / "data/distill_kill"
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.distill", *distill_args], cwd=repo, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _kill_when(proc, lambda: (shards / "shard_00001.safetensors").is_file())
+    done = sorted(p.name for p in shards.glob("shard_*.safetensors"))
+    stamps = {name: (shards / name).stat().st_mtime_ns for name in done}
+    assert not (shards / "manifest.json").exists()
+    out = _stage(repo, env, "distill", *distill_args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = json.loads((repo / "metrics/distill.json").read_text())
+    assert metrics["shards_reused"] == len(done) and metrics["sequences"] == metrics["prompts"]
+    assert all((shards / name).stat().st_mtime_ns == stamp for name, stamp in stamps.items())
+
+    train_args = ["--set", "train.max_steps=300", "--set", "train.checkpoint_every=5", "--set", "train.eval_every=100",
+                  "--set", "train.checkpoint_dir=checkpoints/kill", "--set", "train.out_dir=models/drafter_kill"]
+    ckpt = repo / "checkpoints/kill/last.pt"
+    proc = subprocess.Popen([sys.executable, "-m", "pipelines.train_dflash", *train_args], cwd=repo, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _kill_when(proc, lambda: ckpt.is_file())
+    out = _stage(repo, env, "train_dflash", *train_args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    metrics = json.loads((repo / "metrics/train_dflash.json").read_text())
+    assert metrics["resumed_from_step"] >= 5 and metrics["steps"] == 300
+    assert (repo / "models/drafter_kill/model.safetensors").is_file()
