@@ -20,6 +20,7 @@ import torch
 
 from drelay.decoding.verify import greedy_accept, rejection_accept, sample_tokens, target_probs
 from drelay.models.drafter import BlockDrafter, DraftContextCache
+from drelay.models.relay import candidate_pool
 from drelay.models.target import Target
 
 
@@ -170,8 +171,7 @@ class SpeculativeDecoder:
         """Drafter forward and candidate pool for the next block."""
         anchor_pos = torch.tensor([state.anchor_pos], device=self.target.device)
         hidden, logits = self.drafter.draft(state.draft_cache, state.anchor, anchor_pos, self.block_size)
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        pool_logprobs, pool_ids = logprobs.topk(self.pool_size, dim=-1)  # (b, B-1, k), sorted
+        pool_ids, pool_logprobs = candidate_pool(logits, self.pool_size)  # (b, B-1, k), sorted
         return DraftBlock(state.anchor, anchor_pos, hidden, logits, pool_ids, pool_logprobs)
 
     @torch.inference_mode()

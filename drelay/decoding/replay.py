@@ -16,6 +16,7 @@ import torch
 
 from drelay.decoding.generate import DraftBlock, Repair
 from drelay.models.drafter import BlockDrafter
+from drelay.models.relay import candidate_pool
 from drelay.training.data import IGNORE, block_labels, pad_sequences
 from drelay.training.distill import Sequence
 
@@ -84,8 +85,7 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
             a = anchors.clamp(max=T - 2)[:, None]  # (b, 1); finished rows are computed and ignored
             hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B)[:, 0]  # (b, B-1, H)
             logits = drafter.logits(hidden).float()
-            logprobs = torch.log_softmax(logits, dim=-1)
-            pool_logprobs, pool_ids = logprobs.topk(pool_size, dim=-1)
+            pool_ids, pool_logprobs = candidate_pool(logits, pool_size)
             block = DraftBlock(tokens.gather(1, a)[:, 0], a[:, 0], hidden, logits, pool_ids, pool_logprobs)
             labels = block_labels(tokens, lengths, a, B)[:, 0]  # (b, B-1)
             if repair is None:
