@@ -187,6 +187,54 @@ class TrainConfig:
         _require(self.live_prompts >= 0, "live_prompts", ">= 0", self.live_prompts)
 
 
+JOINT_METHODS = ("dflash", "drelay")  # the heads with a joint trainer so far (DESIGN §1.7)
+PREFIX_MODELS = ("gru", "attn")
+
+
+@dataclass(frozen=True)
+class JointConfig:
+    """Joint training (DESIGN §1.6-§1.7): every method continues the same trained DFlash drafter
+    for the same extra steps on the same batches; `dflash` continues with its CE alone."""
+
+    extra_steps: int = 300  # the equal extra-step budget every method gets (the fairness rule)
+    lr: float = 3e-4  # peak AdamW learning rate (backbone and heads alike); min_lr_ratio, grad_clip from train
+    warmup_steps: int = 20  # linear warmup, then cosine decay over extra_steps
+    lambda_support: float = 0.1  # λ_s: weight of candidate support (logit hinge + reader BCE)
+    lambda_repair: float = 1.0  # λ_r: weight of the ω-weighted selector CE
+    hinge_margin: float = 1.0  # margin of softplus(z_(k) - z_y + margin): keep y inside the top-k pool
+    eps: float = 0.01  # floor of π in ω, so a block with an out-of-pool token still weighs its prefix
+    reader_dim: int = 256  # d_r, width of the global reader and the causal selector
+    reader_layers: int = 2  # R, full-attention encoder layers of the reader (0: no cross-position view, ablation)
+    reader_heads: int = 4  # attention heads of the reader; must divide reader_dim
+    prefix_model: str = "gru"  # selector prefix state r_i: gru | attn (1-layer causal attention)
+    margins: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0)  # δ candidates; the best held-out replay τ is kept
+    methods: tuple[str, ...] = ("dflash", "drelay")  # which methods the stage trains
+    replay_sequences: int = 32  # held-out sequences replayed at each evaluation and to choose δ
+    eval_every: int = 100  # steps between held-out evaluations (losses, replay statistics)
+    checkpoint_every: int = 50  # steps between resumable checkpoints
+    out_dir: str = "models/joint"  # <out_dir>/<method>/drafter, and <out_dir>/drelay/relay
+    checkpoint_dir: str = "checkpoints/joint"  # <checkpoint_dir>/<method>/last.pt
+
+    def __post_init__(self) -> None:
+        for key in ("extra_steps", "reader_dim", "reader_heads", "replay_sequences", "eval_every",
+                    "checkpoint_every"):
+            _require(getattr(self, key) >= 1, key, ">= 1", getattr(self, key))
+        _require(self.lr > 0, "lr", "> 0", self.lr)
+        for key in ("warmup_steps", "reader_layers", "lambda_support", "lambda_repair", "hinge_margin"):
+            _require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
+        _require(0 < self.eps <= 1, "eps", "in (0, 1]", self.eps)
+        _require(self.reader_dim % self.reader_heads == 0, "reader_heads",
+                 f"a divisor of reader_dim ({self.reader_dim})", self.reader_heads)
+        _require(self.prefix_model in PREFIX_MODELS, "prefix_model", " or ".join(PREFIX_MODELS), self.prefix_model)
+        distinct = lambda values: len(values) >= 1 and len(set(values)) == len(values)  # noqa: E731
+        ok = distinct(self.margins) and all(m >= 0 for m in self.margins)
+        _require(ok, "margins", "a non-empty list of distinct values >= 0", self.margins)
+        ok = distinct(self.methods) and set(self.methods) <= set(JOINT_METHODS)
+        _require(ok, "methods", f"a non-empty list of distinct names from {', '.join(JOINT_METHODS)}", self.methods)
+        _require(bool(self.out_dir), "out_dir", "a non-empty string", self.out_dir)
+        _require(bool(self.checkpoint_dir), "checkpoint_dir", "a non-empty string", self.checkpoint_dir)
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """Scheduled retraining: a Prefect deployment that re-runs `dvc repro`."""
@@ -211,6 +259,7 @@ class Params:
     data: DataConfig = field(default_factory=DataConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    joint: JointConfig = field(default_factory=JointConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 

@@ -27,6 +27,16 @@ def make_tiny_target(vocab_size: int = 96, dtype: torch.dtype = torch.float64, s
 
 
 @pytest.fixture
+def one_thread():
+    """Tiny models gain nothing from intra-op threads; on a busy 2-core CPU they oversubscribe it
+    (seen ~100x slower). Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def tiny_target() -> Target:
     return make_tiny_target()
 

@@ -13,19 +13,15 @@ hidden h_1..h_{B-1} and logits z_i = W_o(RMSNorm(h_i)) with the target's frozen 
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
 
+from drelay.models.folder import load_folder, save_folder
 from drelay.models.target import Target, context_layer_ids
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 
 
 class DrafterError(RuntimeError):
@@ -202,28 +198,12 @@ class BlockDrafter(nn.Module):
         return self
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, path / WEIGHTS_NAME)
-        return path
+        return save_folder(self, self.config, path)
 
     @classmethod
     def load(cls, path: str | Path, target: Target) -> "BlockDrafter":
-        path = Path(path)
-        try:
-            cfg = DraftModelConfig(**json.loads((path / CONFIG_NAME).read_text()))
-        except FileNotFoundError as err:
-            raise DrafterError(f"no drafter at {path}: {CONFIG_NAME} is missing") from err
-        except (json.JSONDecodeError, TypeError) as err:
-            raise DrafterError(f"corrupt drafter config {path / CONFIG_NAME}: {err}") from err
-        drafter = cls(cfg)
-        try:
-            drafter.load_state_dict(load_file(path / WEIGHTS_NAME))
-        except Exception as err:  # safetensors raises several types for a truncated or missing file
-            raise DrafterError(f"cannot read drafter weights {path / WEIGHTS_NAME}: {err}") from err
-        drafter = drafter.to(device=target.device, dtype=target.dtype).eval()
-        return drafter.attach(target)
+        drafter = load_folder(path, cls, DraftModelConfig, DrafterError, "drafter")
+        return drafter.to(device=target.device, dtype=target.dtype).attach(target)
 
     # ------------------------------------------------------------------------------ computation
     def _cos_sin(self, positions: torch.Tensor):

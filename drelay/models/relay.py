@@ -13,21 +13,19 @@ repairs the drafter's native choices left to right (DESIGN §1.2-§1.4).
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 from torch import nn
+
+from drelay.models.folder import load_folder, save_folder
 
 if TYPE_CHECKING:  # generate.py may import candidate_pool from here
     from drelay.decoding.generate import DraftBlock
 
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
 MIN_LOGPROB = -30.0  # pool log-probs are clamped here before f(s): lower all means "never"
 
 
@@ -181,28 +179,12 @@ class DRelay(nn.Module):
         return self
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.mkdir(parents=True, exist_ok=True)
-        (path / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2))
-        save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}, path / WEIGHTS_NAME)
-        return path
+        return save_folder(self, self.config, path)
 
     @classmethod
     def load(cls, path: str | Path, embed_tokens: nn.Module | None = None) -> "DRelay":
         """Load a saved relay; with `embed_tokens` it moves to that embedding's device/dtype and binds it."""
-        path = Path(path)
-        try:
-            cfg = RelayConfig(**json.loads((path / CONFIG_NAME).read_text()))
-        except FileNotFoundError as err:
-            raise RelayError(f"no relay at {path}: {CONFIG_NAME} is missing") from err
-        except (json.JSONDecodeError, TypeError, ValueError) as err:
-            raise RelayError(f"corrupt relay config {path / CONFIG_NAME}: {err}") from err
-        relay = cls(cfg)
-        try:
-            relay.load_state_dict(load_file(path / WEIGHTS_NAME))
-        except Exception as err:  # safetensors raises several types for a truncated or missing file
-            raise RelayError(f"cannot read relay weights {path / WEIGHTS_NAME}: {err}") from err
-        relay.eval()
+        relay = load_folder(path, cls, RelayConfig, RelayError, "relay")
         if embed_tokens is None:
             return relay
         w = embed_tokens.weight

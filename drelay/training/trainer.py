@@ -65,15 +65,27 @@ def split_sequences(sequences: list[Sequence], val_fraction: float, seed: int):
     return train, val
 
 
-def block_forward(drafter: BlockDrafter, batch: BlockBatch):
-    """Logits (b, nA, B-1, V) of every block in the batch, bf16 autocast on the matmuls."""
+def block_hidden(drafter: BlockDrafter, batch: BlockBatch) -> torch.Tensor:
+    """Hidden h_i (b, nA, B-1, H) of every block in the batch, bf16 autocast on the matmuls."""
     b, T = batch.tokens.shape
-    device_type = batch.features.device.type
-    with torch.autocast(device_type, dtype=torch.bfloat16):
+    with torch.autocast(batch.features.device.type, dtype=torch.bfloat16):
         positions = torch.arange(T, device=batch.tokens.device).expand(b, T)
         ctx_kv = drafter.context_kv(batch.features, positions)
-        hidden = drafter.forward_anchored(ctx_kv, batch.anchors, batch.anchor_ids, batch.labels.shape[-1] + 1)
-        return drafter.logits(hidden)
+        return drafter.forward_anchored(ctx_kv, batch.anchors, batch.anchor_ids, batch.labels.shape[-1] + 1)
+
+
+def block_forward(drafter: BlockDrafter, batch: BlockBatch):
+    """Logits (b, nA, B-1, V) of every block in the batch, bf16 autocast on the matmuls."""
+    with torch.autocast(batch.features.device.type, dtype=torch.bfloat16):
+        return drafter.logits(block_hidden(drafter, batch))
+
+
+def sample_batch(train: list[Sequence], cfg: TrainConfig, block_size: int, rng: random.Random) -> BlockBatch:
+    """One step's blocks: blocks_per_step // anchors_per_sequence sequences (distinct when there are
+    enough), anchors_per_sequence random anchors each. Same rng state -> same batch."""
+    n = max(1, cfg.blocks_per_step // cfg.anchors_per_sequence)
+    seqs = rng.sample(train, n) if len(train) >= n else [rng.choice(train) for _ in range(n)]
+    return make_batch(seqs, cfg.anchors_per_sequence, block_size, rng)
 
 
 @torch.no_grad()
@@ -115,6 +127,18 @@ def _save_checkpoint(path: Path, state: dict) -> None:
     tmp.rename(path)
 
 
+def load_checkpoint(path: Path, state_hash: str) -> dict | None:
+    """The checkpoint at `path` if it was written under the same settings (`state_hash`); None when
+    there is none or its settings differ (training starts over); a corrupt file is an error."""
+    if not path.is_file():
+        return None
+    try:
+        ckpt = torch.load(path, weights_only=False)
+    except Exception as err:
+        raise ValueError(f"corrupt checkpoint {path}: {err}; delete it to start over") from err
+    return ckpt if ckpt.get("hash") == state_hash else None
+
+
 def train_drafter(drafter: BlockDrafter, train: list[Sequence], val: list[Sequence], cfg: TrainConfig, *,
                   pool_size: int = 8, seed: int = 0, log: Logger | None = None,
                   progress: Callable[[int, dict], None] | None = None) -> TrainResult:
@@ -129,18 +153,14 @@ def train_drafter(drafter: BlockDrafter, train: list[Sequence], val: list[Sequen
     step, best_val, best_step, bad_evals, history, resumed_from = 0, float("inf"), 0, 0, [], 0
 
     ckpt_path = ckpt_dir / CHECKPOINT
-    if ckpt_path.is_file():
-        try:
-            ckpt = torch.load(ckpt_path, weights_only=False)
-        except Exception as err:
-            raise ValueError(f"corrupt checkpoint {ckpt_path}: {err}; delete it to start over") from err
-        if ckpt.get("hash") == state_hash:
-            drafter.load_state_dict(ckpt["drafter"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-            rng.setstate(ckpt["rng"])
-            torch.set_rng_state(ckpt["torch_rng"])
-            step, best_val, best_step = ckpt["step"], ckpt["best_val"], ckpt["best_step"]
-            bad_evals, history, resumed_from = ckpt["bad_evals"], ckpt["history"], ckpt["step"]
+    ckpt = load_checkpoint(ckpt_path, state_hash)
+    if ckpt is not None:
+        drafter.load_state_dict(ckpt["drafter"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        rng.setstate(ckpt["rng"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        step, best_val, best_step = ckpt["step"], ckpt["best_val"], ckpt["best_step"]
+        bad_evals, history, resumed_from = ckpt["bad_evals"], ckpt["history"], ckpt["step"]
 
     def checkpoint() -> None:
         _save_checkpoint(ckpt_path, {
@@ -148,7 +168,6 @@ def train_drafter(drafter: BlockDrafter, train: list[Sequence], val: list[Sequen
             "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "best_val": best_val,
             "best_step": best_step, "bad_evals": bad_evals, "history": history})
 
-    seqs_per_step = max(1, cfg.blocks_per_step // cfg.anchors_per_sequence)
     device = drafter.fc.weight.device
     drafter.train()
     stopped_early, blocks_done, train_seconds = False, 0, 0.0
@@ -156,9 +175,7 @@ def train_drafter(drafter: BlockDrafter, train: list[Sequence], val: list[Sequen
         t_step = time.perf_counter()
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, cfg)
-        batch = make_batch(rng.sample(train, min(seqs_per_step, len(train))) if len(train) >= seqs_per_step
-                           else [rng.choice(train) for _ in range(seqs_per_step)],
-                           cfg.anchors_per_sequence, drafter.config.block_size, rng).to(device)
+        batch = sample_batch(train, cfg, drafter.config.block_size, rng).to(device)
         logits = block_forward(drafter, batch)
         loss, _ = dflash_ce(logits, batch.labels, cfg.gamma)
         optimizer.zero_grad(set_to_none=True)

@@ -18,13 +18,7 @@ from drelay.training.losses import (drelay_loss, pool_index, prefix_weights, rea
 from tests.conftest import make_tiny_target
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models gain nothing from intra-op threads; on a busy 2-core CPU they oversubscribe it (~100x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_support_hinge_matches_a_plain_loop_and_ignores_padding():

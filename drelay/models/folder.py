@@ -1,0 +1,42 @@
+"""Save and load a model as a folder: config.json (its config dataclass) + model.safetensors.
+
+Shared by the drafter and the relay, so both fail the same clear way on a missing folder, a
+corrupt config or truncated weights.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def save_folder(module: nn.Module, config, path: str | Path) -> Path:
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / CONFIG_NAME).write_text(json.dumps(asdict(config), indent=2))
+    save_file({k: v.detach().contiguous().cpu() for k, v in module.state_dict().items()}, path / WEIGHTS_NAME)
+    return path
+
+
+def load_folder(path: str | Path, module_cls, config_cls, error_cls: type[Exception], what: str):
+    """`module_cls(config_cls(**config.json))` with the saved weights, in eval mode, on the CPU."""
+    path = Path(path)
+    try:
+        config = config_cls(**json.loads((path / CONFIG_NAME).read_text()))
+    except FileNotFoundError as err:
+        raise error_cls(f"no {what} at {path}: {CONFIG_NAME} is missing") from err
+    except (json.JSONDecodeError, TypeError, ValueError) as err:
+        raise error_cls(f"corrupt {what} config {path / CONFIG_NAME}: {err}") from err
+    module = module_cls(config)
+    try:
+        module.load_state_dict(load_file(path / WEIGHTS_NAME))
+    except Exception as err:  # safetensors raises several types for a truncated or missing file
+        raise error_cls(f"cannot read {what} weights {path / WEIGHTS_NAME}: {err}") from err
+    return module.eval()

@@ -1,0 +1,236 @@
+"""Joint training (DESIGN §1.6-§1.7): the fairness rule (same start, same batches, same budget), the
+joint loss reaching backbone, reader and selector, the choice of δ, resume, and a drelay run that
+repairs better than before it was trained."""
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from drelay.config import ConfigError, JointConfig, TrainConfig, load_section
+from drelay.decoding.replay import replay
+from drelay.models.drafter import BlockDrafter
+from drelay.models.relay import DRelay
+from drelay.training import joint
+from drelay.training.distill import generate_batch
+from drelay.training.joint import CHECKPOINT, choose_margin, make_relay, train_joint
+from drelay.training.trainer import split_sequences, train_drafter
+from tests.conftest import make_tiny_target
+
+ROOT = Path(__file__).resolve().parents[2]
+POOL = 4
+TERMS = ("loss", "ce", "support", "hinge", "reader_bce", "repair", "selector_acc")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny models gain nothing from intra-op threads; on a busy 2-core CPU they oversubscribe it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _train_cfg(tmp: Path) -> TrainConfig:
+    return TrainConfig(max_steps=40, blocks_per_step=32, anchors_per_sequence=4, lr=3e-3, warmup_steps=2,
+                       eval_every=40, checkpoint_every=40, patience=0, out_dir=str(tmp / "drafter"),
+                       checkpoint_dir=str(tmp / "ckpt_dflash"))
+
+
+def _cfg(tmp: Path, **kw) -> JointConfig:
+    base = dict(extra_steps=12, lr=3e-3, warmup_steps=2, reader_dim=32, reader_layers=2, reader_heads=4,
+                margins=(0.0, 0.5, 1.0, 2.0), replay_sequences=8, eval_every=6, checkpoint_every=4,
+                out_dir=str(tmp / "joint"), checkpoint_dir=str(tmp / "ckpt"))
+    return JointConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    """A tiny target, its distilled data, and a DFlash drafter trained on it (the shared start)."""
+    with torch.random.fork_rng(devices=[]):
+        target = make_tiny_target(vocab_size=24, dtype=torch.float32, seed=2, init=0.12)
+        target.set_layer_ids([1, 2, 3])
+        gen = torch.Generator().manual_seed(0)
+        prompts = [[1] + torch.randint(3, 24, (4,), generator=gen).tolist() for _ in range(48)]
+        train, val = split_sequences(generate_batch(target, prompts, 24, set()), 0.25, seed=0)
+        tmp = tmp_path_factory.mktemp("start")
+        torch.manual_seed(0)
+        train_cfg = _train_cfg(tmp)
+        train_drafter(BlockDrafter.for_target(target, block_size=4).float(), train, val, train_cfg, pool_size=POOL)
+    start = lambda: BlockDrafter.load(tmp / "drafter", target).float()  # noqa: E731  a fresh copy each call
+    return target, train, val, train_cfg, start
+
+
+@pytest.fixture(scope="module")
+def runs(setup, tmp_path_factory):
+    """One uninterrupted run per method from the same start, recording batches and logs."""
+    target, train, val, train_cfg, start = setup
+    tmp = tmp_path_factory.mktemp("runs")
+    out = {}
+    for method in ("dflash", "drelay"):
+        anchors, logs = [], []
+        real = joint.sample_batch
+
+        def recording(*args, **kwargs):
+            batch = real(*args, **kwargs)
+            anchors.append(batch.anchors.clone())
+            return batch
+
+        joint.sample_batch = recording
+        try:
+            drafter = start()
+            result = train_joint(method, drafter, train, val, _cfg(tmp), train_cfg, pool_size=POOL, seed=0,
+                                 log=lambda metrics, step: logs.append((step, dict(metrics))))
+        finally:
+            joint.sample_batch = real
+        out[method] = dict(result=result, drafter=drafter, anchors=anchors, logs=logs, tmp=tmp)
+    return out
+
+
+def test_both_methods_start_alike_draw_the_same_batches_and_get_the_same_budget(runs):
+    dflash, drelay = runs["dflash"], runs["drelay"]
+    assert dflash["result"].steps == drelay["result"].steps == 12
+    assert len(dflash["anchors"]) == len(drelay["anchors"]) == 12
+    assert all(torch.equal(a, b) for a, b in zip(dflash["anchors"], drelay["anchors"]))
+    d0, r0 = dflash["result"].history[0], drelay["result"].history[0]
+    assert d0["step"] == r0["step"] == 0
+    assert d0["val_ce"] == r0["val_ce"] and d0["native_tau"] == r0["native_tau"] == d0["replay_tau"]
+    assert [h["step"] for h in dflash["result"].history] == [h["step"] for h in drelay["result"].history] == [0, 6, 12]
+    assert dflash["result"].margin is None and drelay["result"].margin is not None
+    for method in ("dflash", "drelay"):
+        final = runs[method]["result"].final
+        for key in ("replay_tau", "replay_pool_hit", "replay_replace_rate", "replay_repair_precision",
+                    "replay_harm_rate", "replay_accept_pos1", "replay_accept_pos3", "oracle_tau", "native_tau"):
+            assert math.isfinite(final[key]), (method, key)
+        assert final["oracle_tau"] >= final["native_tau"]
+    assert dflash["result"].final["replay_replace_rate"] == 0.0  # no repair: the native top-1 everywhere
+
+
+def test_drelay_logs_every_loss_term_and_all_are_finite(runs):
+    train_logs = [(step, m) for step, m in runs["drelay"]["logs"] if "train_loss" in m]
+    assert [step for step, _ in train_logs] == [1, 10, 12]
+    for _, metrics in train_logs:
+        for term in TERMS:
+            assert math.isfinite(metrics[f"train_{term}"]), term
+        assert metrics["train_repair"] > 0 and metrics["train_support"] > 0
+    evals = [m for _, m in runs["drelay"]["logs"] if "replay_tau" in m]
+    assert len(evals) == 3 and all(math.isfinite(m[f"val_{term}"]) for m in evals for term in TERMS)
+    assert any(k.startswith("margin_tau_") for _, m in runs["drelay"]["logs"] for k in m)
+
+
+def test_joint_loss_moves_backbone_reader_and_selector(setup, runs):
+    target, *_, start = setup
+    run = runs["drelay"]
+    before = start().state_dict()
+    moved = {name: not torch.equal(before[name], p) for name, p in run["drafter"].state_dict().items()}
+    assert all(moved.values()), [n for n, ok in moved.items() if not ok]
+    init = make_relay(start(), _cfg(run["tmp"]), POOL, seed=0).state_dict()
+    trained = DRelay.load(run["result"].out_dir / "relay", target.embed_tokens)
+    moved = {name: not torch.equal(init[name], p.float()) for name, p in trained.state_dict().items()}
+    assert any(n.startswith("reader.layers") for n in moved) and any(n.startswith("selector.prefix") for n in moved)
+    assert all(moved.values()), [n for n, ok in moved.items() if not ok]
+
+
+def test_choose_margin_picks_the_best_held_out_replay_tau_and_the_relay_is_saved_with_it(setup, runs):
+    target, _, val, *_ = setup
+    result = runs["drelay"]["result"]
+    drafter = BlockDrafter.load(result.out_dir / "drafter", target).float()
+    relay = DRelay.load(result.out_dir / "relay", target.embed_tokens)
+    assert relay.config.margin == result.margin == result.final["margin"]
+    assert result.margin == max(result.margin_taus, key=lambda m: (result.margin_taus[m], -m))
+
+    margins = (0.0, 0.25, 1.0, 3.0, 1e9)  # 1e9: never replace, the native τ
+    best, taus = choose_margin(drafter, relay, val, margins, POOL)
+    expected = {}
+    for m in margins:  # recomputed independently: one replay per δ
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected[m] = replay(drafter, val, pool_size=POOL, repair=lambda block: relay.select(block, margin=m)).tau
+    assert taus == expected
+    assert len(set(taus.values())) > 1  # the choice is not trivial
+    top = max(expected.values())
+    assert best == min(m for m in margins if expected[m] == top)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert taus[1e9] == replay(drafter, val, pool_size=POOL).tau
+
+
+def test_trained_drelay_repairs_better_than_before_joint_training(runs):
+    history = runs["drelay"]["result"].history
+    start, final = history[0], history[-1]
+    # the untrained relay only harms; the trained one with its δ beats the start's native τ
+    assert start["replay_tau"] < start["native_tau"]
+    assert final["replay_tau"] >= start["native_tau"], (start, final)
+    assert final["replay_tau"] > start["replay_tau"] + 0.1, (start["replay_tau"], final["replay_tau"])
+    assert final["val_repair"] < start["val_repair"] and final["val_reader_bce"] < start["val_reader_bce"]
+
+
+class Killed(Exception):
+    pass
+
+
+def test_a_killed_joint_run_resumes_and_ends_where_an_uninterrupted_one_does(setup, runs, tmp_path):
+    target, train, val, train_cfg, start = setup
+    cfg = _cfg(tmp_path)
+
+    def die_at_step_6(step, metrics):
+        if step == 6:
+            raise Killed  # after the step-4 checkpoint, before the step-8 one
+
+    with pytest.raises(Killed):
+        train_joint("drelay", start(), train, val, cfg, train_cfg, pool_size=POOL, seed=0, progress=die_at_step_6)
+    assert (tmp_path / "ckpt" / "drelay" / CHECKPOINT).is_file()
+
+    seen = []  # another starting drafter must not resume from that checkpoint
+
+    def stop_at_once(step, metrics):
+        seen.append(step)
+        raise Killed
+
+    other = start()
+    with torch.no_grad():
+        other.fc.weight.mul_(1.01)
+    with pytest.raises(Killed):
+        train_joint("drelay", other, train, val, cfg, train_cfg, pool_size=POOL, seed=0, progress=stop_at_once)
+    assert seen == [1]
+
+    resumed = start()
+    result = train_joint("drelay", resumed, train, val, cfg, train_cfg, pool_size=POOL, seed=0)
+    assert result.resumed_from == 4 and result.steps == 12
+    straight = runs["drelay"]
+    for (name, a), b in zip(straight["drafter"].state_dict().items(), resumed.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    relay_a = DRelay.load(straight["result"].out_dir / "relay")
+    relay_b = DRelay.load(result.out_dir / "relay")
+    assert relay_a.config == relay_b.config
+    for (name, a), b in zip(relay_a.state_dict().items(), relay_b.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+    assert [h["step"] for h in result.history] == [0, 6, 12]
+
+
+@pytest.mark.parametrize("params", ["params.yaml", "profiles/smoke.yaml", "profiles/qwen3-8b.yaml"])
+def test_every_profile_has_a_valid_joint_section(params):
+    cfg = load_section(ROOT / params, "joint")
+    assert set(cfg.methods) == {"dflash", "drelay"} and cfg.extra_steps >= 1 and 0.0 in cfg.margins
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("joint:\n  margins: [0.5, -1]\n", "joint.margins must be a non-empty list of distinct values >= 0"),
+    ("joint:\n  margins: []\n", "joint.margins must be a non-empty list"),
+    ("joint:\n  methods: [dflash, domino]\n", "joint.methods must be a non-empty list of distinct names from dflash"),
+    ("joint:\n  reader_heads: 3\n", "joint.reader_heads must be a divisor of reader_dim (256), got 3"),
+    ("joint:\n  eps: 0\n", "joint.eps must be in (0, 1], got 0.0"),
+    ("joint:\n  prefix_model: lstm\n", "joint.prefix_model must be gru or attn"),
+    ("joint:\n  extra_step: 10\n", "unknown key 'extra_step' in section 'joint'"),
+])
+def test_joint_section_errors_name_the_key(tmp_path, text, message):
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=f"^{path}: .*" if message.startswith("unknown") else None) as err:
+        load_section(path, "joint")
+    assert message in str(err.value)
+
+
+def test_unknown_method_is_an_error(setup, tmp_path):
+    _, train, val, train_cfg, start = setup
+    with pytest.raises(ValueError, match="unknown joint method 'domino'"):
+        train_joint("domino", start(), train, val, _cfg(tmp_path), train_cfg, pool_size=POOL, seed=0)
