@@ -18,6 +18,7 @@ import json
 import random
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -33,8 +34,8 @@ from drelay.models.relay import DRelay, candidate_pool
 from drelay.training.data import BlockBatch, make_batch
 from drelay.training.distill import Sequence
 from drelay.training.losses import dflash_ce, drelay_loss
-from drelay.training.trainer import (CHECKPOINT, Logger, _save_checkpoint, block_hidden, load_checkpoint, lr_at,
-                                     sample_batch)
+from drelay.training.trainer import (CHECKPOINT, Logger, block_hidden, load_checkpoint, lr_at, sample_batch,
+                                     save_checkpoint)
 
 # The train-section settings a joint run reads (batch shape, CE decay, optimizer); they enter the resume hash.
 TRAIN_KEYS = ("blocks_per_step", "anchors_per_sequence", "gamma", "weight_decay", "min_lr_ratio", "grad_clip")
@@ -89,19 +90,17 @@ def replay_bf16(drafter: BlockDrafter, sequences: list[Sequence], pool_size: int
         return replay(drafter, sequences, pool_size=pool_size, repair=repair)
 
 
-class _eval_mode:
+@contextmanager
+def _eval_mode(*modules: torch.nn.Module | None):
     """Modules in eval mode inside the block, each back to its own mode after it."""
-
-    def __init__(self, *modules: torch.nn.Module | None):
-        self.modules = [m for m in modules if m is not None]
-
-    def __enter__(self):
-        self.modes = [m.training for m in self.modules]
-        for m in self.modules:
-            m.eval()
-
-    def __exit__(self, *exc):
-        for m, mode in zip(self.modules, self.modes):
+    modules = [m for m in modules if m is not None]
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
             m.train(mode)
 
 
@@ -190,7 +189,7 @@ def train_joint(method: str, drafter: BlockDrafter, train: list[Sequence], val: 
         step, history, margin_taus, resumed_from = ckpt["step"], ckpt["history"], ckpt["margin_taus"], ckpt["step"]
 
     def checkpoint() -> None:
-        _save_checkpoint(ckpt_path, {
+        save_checkpoint(ckpt_path, {
             "hash": state_hash, "drafter": drafter.state_dict(), "relay": relay.state_dict() if relay else None,
             "margin": relay.config.margin if relay else None, "optimizer": optimizer.state_dict(),
             "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "history": history,
@@ -231,7 +230,7 @@ def train_joint(method: str, drafter: BlockDrafter, train: list[Sequence], val: 
         if last and relay is not None:  # δ first, so the final evaluation uses the δ that is saved
             margin, margin_taus = choose_margin(drafter, relay, val[: cfg.replay_sequences], cfg.margins, pool_size)
             relay.config = dataclasses.replace(relay.config, margin=margin)
-            log({f"margin_tau_{m:g}": tau for m, tau in margin_taus.items()}, step)
+            log({f"margin_tau_{m:g}".replace("+", ""): tau for m, tau in margin_taus.items()}, step)  # MLflow: no "+"
         if step % cfg.eval_every == 0 or last:
             evaluation()
         if step % cfg.checkpoint_every == 0 or last:

@@ -116,12 +116,14 @@ def evaluate(drafter: BlockDrafter, val: list[Sequence], cfg: TrainConfig, pool_
     return out
 
 
-def config_hash(cfg: TrainConfig, drafter: BlockDrafter, n_train: int) -> str:
-    blob = json.dumps([asdict(cfg), asdict(drafter.config), n_train], sort_keys=True, default=str)
+def config_hash(cfg: TrainConfig, drafter: BlockDrafter, n_train: int, seed: int) -> str:
+    """What a checkpoint must match to be resumed: settings, drafter shape, data size, seed."""
+    blob = json.dumps([asdict(cfg), asdict(drafter.config), n_train, seed], sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
-def _save_checkpoint(path: Path, state: dict) -> None:
+def save_checkpoint(path: Path, state: dict) -> None:
+    """torch.save to a .partial file, then rename: a kill mid-write never leaves a torn checkpoint."""
     tmp = path.with_name(path.name + ".partial")
     torch.save(state, tmp)
     tmp.rename(path)
@@ -149,7 +151,7 @@ def train_drafter(drafter: BlockDrafter, train: list[Sequence], val: list[Sequen
     params = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     rng = random.Random(seed)
-    state_hash = config_hash(cfg, drafter, len(train))
+    state_hash = config_hash(cfg, drafter, len(train), seed)
     step, best_val, best_step, bad_evals, history, resumed_from = 0, float("inf"), 0, 0, [], 0
 
     ckpt_path = ckpt_dir / CHECKPOINT
@@ -163,7 +165,7 @@ def train_drafter(drafter: BlockDrafter, train: list[Sequence], val: list[Sequen
         bad_evals, history, resumed_from = ckpt["bad_evals"], ckpt["history"], ckpt["step"]
 
     def checkpoint() -> None:
-        _save_checkpoint(ckpt_path, {
+        save_checkpoint(ckpt_path, {
             "hash": state_hash, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
             "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "best_val": best_val,
             "best_step": best_step, "bad_evals": bad_evals, "history": history})
