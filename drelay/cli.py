@@ -1,4 +1,4 @@
-"""`drelay` command line: convert the target, make a drafter, generate (and check losslessness)."""
+"""`drelay` command line: convert the target, make a drafter or relay, generate (and check losslessness)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,18 @@ import torch
 
 
 def _load(args, dtype: str):
+    """Target, drafter and the repair hook of --method (None for dflash: the native top-1)."""
     from drelay.models.drafter import BlockDrafter
+    from drelay.models.relay import DRelay
     from drelay.models.target import Target
 
     target = Target.load(args.target, dtype=dtype, device=args.device)
     drafter = BlockDrafter.load(args.drafter, target)
-    return target, drafter
+    repair = None
+    if args.method == "drelay":
+        relay = DRelay.load(args.relay, target.embed_tokens)
+        repair = relay.select
+    return target, drafter, repair
 
 
 def cmd_generate(args) -> int:
@@ -26,16 +32,19 @@ def cmd_generate(args) -> int:
         print("--check-lossless compares against greedy AR decoding: use --temperature 0", file=sys.stderr)
         return 2
     # Exactness is only defined in float32+; bf16 runs report a near-tie classification instead.
+    if args.method == "drelay" and not args.relay:
+        print("--method drelay needs --relay PATH (a folder written by joint training or init-relay)", file=sys.stderr)
+        return 2
     dtype = args.dtype or ("float32" if args.check_lossless else "bfloat16")
-    target, drafter = _load(args, dtype)
+    target, drafter, repair = _load(args, dtype)
     prompt_ids = target.encode_chat(args.prompt) if not args.raw else target.tokenizer(args.prompt)["input_ids"]
     stop = [] if args.ignore_eos else target.stop_token_ids()
     gen = torch.Generator(device=target.device).manual_seed(args.seed)
-    result = speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, block_size=args.block_size,
+    result = speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, repair=repair, block_size=args.block_size,
                                   temperature=args.temperature, pool_size=args.pool_size, stop_token_ids=stop,
                                   sampling_rule=args.sampling_rule, generator=gen)
     print(target.tokenizer.decode(result.tokens, skip_special_tokens=False))
-    print(json.dumps({"method": "dflash", "dtype": dtype, **result.stats.summary()}))
+    print(json.dumps({"method": args.method, "dtype": dtype, **result.stats.summary()}))
     if not args.check_lossless:
         return 0
     reference = ar_generate(target, prompt_ids, args.max_new_tokens, stop_token_ids=stop)
@@ -64,6 +73,18 @@ def cmd_init_drafter(args) -> int:
     return 0
 
 
+def cmd_init_relay(args) -> int:
+    from drelay.models.drafter import BlockDrafter
+    from drelay.models.relay import DRelay
+    from drelay.models.target import Target
+
+    target = Target.load(args.target, dtype="float32")
+    drafter = BlockDrafter.load(args.drafter, target)
+    relay = DRelay.for_drafter(drafter, pool_size=args.pool_size, margin=args.margin)
+    print(relay.save(args.out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="drelay", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", required=True, help="HF folder or id of the target model")
     g.add_argument("--drafter", required=True, help="drafter folder (config.json + model.safetensors)")
     g.add_argument("--prompt", required=True, help="user message (wrapped in the chat template)")
+    g.add_argument("--method", choices=["dflash", "drelay"], default="dflash",
+                   help="dflash: verify the drafter's native top-1; drelay: repair the block first (--relay)")
+    g.add_argument("--relay", default=None, help="DRelay folder (reader + selector, with its margin)")
     g.add_argument("--raw", action="store_true", help="use the prompt as plain text, no chat template")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
@@ -98,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--block-size", type=int, default=8)
     d.add_argument("--num-context-layers", type=int, default=3)
     d.set_defaults(func=cmd_init_drafter)
+
+    r = sub.add_parser("init-relay", help="write an untrained DRelay reader + selector for a drafter")
+    r.add_argument("--target", required=True)
+    r.add_argument("--drafter", required=True)
+    r.add_argument("--out", required=True)
+    r.add_argument("--pool-size", type=int, default=8)
+    r.add_argument("--margin", type=float, default=0.0)
+    r.set_defaults(func=cmd_init_relay)
     return parser
 
 
@@ -105,11 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from drelay.decoding.generate import ContextTooLongError
     from drelay.models.drafter import DrafterError
+    from drelay.models.relay import RelayError
     from drelay.models.target import TargetError
 
     try:
         return args.func(args)
-    except (TargetError, DrafterError, ContextTooLongError) as err:
+    except (TargetError, DrafterError, RelayError, ContextTooLongError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

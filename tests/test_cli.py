@@ -60,3 +60,19 @@ def test_check_lossless_needs_greedy(tmp_path, capsys):
     rc = main(["generate", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompt", "hi",
                "--temperature", "0.7", "--check-lossless"])
     assert rc == 2 and "use --temperature 0" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_drelay_method_is_lossless_on_smollm2(smollm2, untrained_drafter, tmp_path, capsys):
+    relay = tmp_path / "relay"
+    assert main(["init-relay", "--target", str(smollm2), "--drafter", str(untrained_drafter), "--out", str(relay)]) == 0
+    rc = main(["generate", "--target", str(smollm2), "--drafter", str(untrained_drafter), "--method", "drelay",
+               "--relay", str(relay), "--prompt", "Name three rivers.", "--max-new-tokens", "24", "--check-lossless"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert '"method": "drelay"' in out and "identical: " in out
+
+
+def test_drelay_method_needs_a_relay(tmp_path, capsys):
+    rc = main(["generate", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompt", "hi", "--method", "drelay"])
+    assert rc == 2 and "--method drelay needs --relay" in capsys.readouterr().err
