@@ -34,8 +34,8 @@ from drelay.models.relay import DRelay, candidate_pool
 from drelay.training.data import BlockBatch, make_batch
 from drelay.training.distill import Sequence
 from drelay.training.losses import dflash_ce, drelay_loss
-from drelay.training.trainer import (CHECKPOINT, Logger, block_hidden, load_checkpoint, lr_at, sample_batch,
-                                     save_checkpoint)
+from drelay.training.trainer import (CHECKPOINT, Logger, block_hidden, load_checkpoint, lr_at, optimizer_step,
+                                     sample_batch, save_checkpoint)
 
 # The train-section settings a joint run reads (batch shape, CE decay, optimizer); they enter the resume hash.
 TRAIN_KEYS = ("blocks_per_step", "anchors_per_sequence", "gamma", "weight_decay", "min_lr_ratio", "grad_clip")
@@ -208,14 +208,9 @@ def train_joint(method: str, drafter: BlockDrafter, train: list[Sequence], val: 
     blocks_done, train_seconds = 0, 0.0
     while step < cfg.extra_steps:
         t_step = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, schedule)
         batch = sample_batch(train, train_cfg, drafter.config.block_size, rng).to(device)
         loss, terms = joint_loss(drafter, relay, batch, cfg, train_cfg.gamma, pool_size)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, train_cfg.grad_clip)
-        optimizer.step()
+        grad_norm = optimizer_step(optimizer, params, loss, lr_at(step, schedule), train_cfg.grad_clip)
         step += 1
         blocks_done += batch.anchors.numel()
         train_seconds += time.perf_counter() - t_step

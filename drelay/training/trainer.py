@@ -141,6 +141,18 @@ def load_checkpoint(path: Path, state_hash: str) -> dict | None:
     return ckpt if ckpt.get("hash") == state_hash else None
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, params, loss: torch.Tensor, lr: float,
+                   grad_clip: float) -> torch.Tensor:
+    """One AdamW update at learning rate `lr` with global grad-norm clipping; returns the norm."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    optimizer.step()
+    return grad_norm
+
+
 def train_drafter(drafter: BlockDrafter, train: list[Sequence], val: list[Sequence], cfg: TrainConfig, *,
                   pool_size: int = 8, seed: int = 0, log: Logger | None = None,
                   progress: Callable[[int, dict], None] | None = None) -> TrainResult:
@@ -175,15 +187,10 @@ def train_drafter(drafter: BlockDrafter, train: list[Sequence], val: list[Sequen
     stopped_early, blocks_done, train_seconds = False, 0, 0.0
     while step < cfg.max_steps:
         t_step = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step, cfg)
         batch = sample_batch(train, cfg, drafter.config.block_size, rng).to(device)
         logits = block_forward(drafter, batch)
         loss, _ = dflash_ce(logits, batch.labels, cfg.gamma)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
+        grad_norm = optimizer_step(optimizer, params, loss, lr_at(step, cfg), cfg.grad_clip)
         step += 1
         blocks_done += batch.anchors.numel()
         train_seconds += time.perf_counter() - t_step
