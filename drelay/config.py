@@ -197,7 +197,8 @@ class JointConfig:
     for the same extra steps on the same batches; `dflash` continues with its CE alone."""
 
     extra_steps: int = 300  # the equal extra-step budget every method gets (the fairness rule)
-    lr: float = 3e-4  # peak AdamW learning rate (backbone and heads alike); min_lr_ratio, grad_clip from train
+    lr: float = 3e-4  # peak AdamW learning rate of the backbone; min_lr_ratio, grad_clip from train
+    head_lr_scale: float = 1.0  # the fresh head (reader + selector) trains at lr x this
     warmup_steps: int = 20  # linear warmup, then cosine decay over extra_steps
     lambda_support: float = 0.1  # λ_s: weight of candidate support (logit hinge + reader BCE)
     lambda_repair: float = 1.0  # λ_r: weight of the ω-weighted selector CE
@@ -220,6 +221,7 @@ class JointConfig:
                     "checkpoint_every"):
             _require(getattr(self, key) >= 1, key, ">= 1", getattr(self, key))
         _require(self.lr > 0, "lr", "> 0", self.lr)
+        _require(self.head_lr_scale > 0, "head_lr_scale", "> 0", self.head_lr_scale)
         for key in ("warmup_steps", "reader_layers", "lambda_support", "lambda_repair", "hinge_margin"):
             _require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
         _require(0 < self.eps <= 1, "eps", "in (0, 1]", self.eps)

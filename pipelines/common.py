@@ -89,9 +89,12 @@ def write_metrics(stage: str, metrics: dict, root: str | Path = Path(".")) -> Pa
     return out
 
 
-def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None) -> Any:
+def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None,
+               options: dict[str, dict] | None = None) -> Any:
     """The `__main__` of a stage: `python -m pipelines.<stage> [--params P] [--set s.k=v ...]`.
 
+    `options`: the stage's own flags, {name: argparse keyword arguments}, passed to the flow as
+    keyword arguments (e.g. {"method": dict(required=True, choices=...)} -> `--method drelay`).
     The params file and overrides are validated before the flow starts, so a typo is one
     `error: ...` line and exit code 2 (no traceback, no Prefect server start-up).
     """
@@ -99,10 +102,13 @@ def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None) -> An
     parser.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="override one param (repeatable)")
+    for name, kwargs in (options or {}).items():
+        parser.add_argument(f"--{name}", **kwargs)
     args = parser.parse_args(argv)
+    extra = {name: getattr(args, name) for name in options or {}}
     try:
         load_params(args.params, args.overrides)
-        return flow_fn(params_path=args.params, overrides=args.overrides)
+        return flow_fn(params_path=args.params, overrides=args.overrides, **extra)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

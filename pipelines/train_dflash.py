@@ -6,7 +6,6 @@ from pipelines.common import configure_environment, stage_main, write_metrics
 
 configure_environment()
 
-import statistics  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import matplotlib  # noqa: E402
@@ -18,8 +17,7 @@ from prefect import flow, task  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from drelay.config import load_params  # noqa: E402
-from drelay.decoding.check import compare_to_ar  # noqa: E402
-from drelay.decoding.generate import ar_generate, speculative_generate  # noqa: E402
+from drelay.eval.live import LiveMethod, live_compare  # noqa: E402
 from drelay.io import read_jsonl  # noqa: E402
 from drelay.models.drafter import BlockDrafter  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
@@ -49,31 +47,12 @@ def plot_history(history: list[dict], train_curve: list[tuple[int, float]], path
 
 
 @task
-def live_tau(target: Target, drafter: BlockDrafter, prompts: list[dict], max_new_tokens: int) -> dict:
-    """τ and tokens/s of live greedy decoding against plain AR, same prompts, same process. In bf16
-    the two may part at a near-tie of the target's top-2 logits (counted); any other divergence
-    is an engine bug and fails the stage."""
-    stop = target.stop_token_ids()
-    taus, spec_tps, ar_tps, identical, near_ties = [], [], [], 0, 0
-    for record in tqdm(prompts, desc="live τ", unit="prompt"):
-        ids = target.encode_chat(record["messages"])
-        spec = speculative_generate(target, drafter, ids, max_new_tokens, stop_token_ids=stop)
-        ar = ar_generate(target, ids, max_new_tokens, stop_token_ids=stop)
-        taus.append(spec.stats.tau)
-        spec_tps.append(spec.stats.tokens_per_s)
-        ar_tps.append(ar.stats.tokens_per_s)
-        report = compare_to_ar(target, ids, ar.tokens, spec.tokens)
-        identical += report.identical
-        near_ties += bool(report.near_tie)
-        if report.is_bug:  # rounding cannot explain it: the engine is wrong
-            raise RuntimeError(f"speculative output diverged from AR decoding without a near-tie: {report.describe()}")
-    if not prompts:
-        return {}
-    return {"live_tau": statistics.mean(taus), "live_tokens_per_s": statistics.mean(spec_tps),
-            "ar_tokens_per_s": statistics.mean(ar_tps),
-            "live_speedup": statistics.mean(spec_tps) / statistics.mean(ar_tps),
-            "live_identical_rate": identical / len(prompts), "live_near_tie_divergences": near_ties,
-            "live_prompts": len(prompts)}
+def live_tau(target: Target, drafter: BlockDrafter, prompts: list[dict], max_new_tokens: int, pool_size: int) -> dict:
+    """Live greedy τ, tokens/s and speedup against plain AR on the validation prompts (same process);
+    a divergence from AR that is not a bf16 near-tie fails the stage."""
+    ids = [target.encode_chat(record["messages"]) for record in prompts]
+    result = live_compare(target, {"dflash": LiveMethod(drafter)}, ids, max_new_tokens, pool_size, desc="live τ")
+    return result.get("dflash", {})
 
 
 @flow(name=STAGE)
@@ -111,7 +90,7 @@ def train_dflash_flow(params_path: str = "params.yaml", overrides: list[str] | N
         bar.close()
         best = BlockDrafter.load(cfg.out_dir, target)  # bf16 like the target, as it will be served
         val_prompts = read_jsonl(f"{params.data.out_dir}/val.jsonl")[: cfg.live_prompts]
-        live = live_tau(target, best, val_prompts, cfg.live_max_new_tokens)
+        live = live_tau(target, best, val_prompts, cfg.live_max_new_tokens, params.decode.pool_size)
         last = next(h for h in reversed(result.history) if h["step"] == result.best_step)
         metrics = {"steps": result.steps, "best_step": result.best_step, "best_val_loss": result.best_val_loss,
                    "stopped_early": int(result.stopped_early), "resumed_from_step": result.resumed_from,

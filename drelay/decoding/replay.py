@@ -21,6 +21,7 @@ from drelay.training.data import IGNORE, block_labels, pad_sequences
 from drelay.training.distill import Sequence
 
 ORACLE = "oracle"
+_COUNTERS = ("accepted_at", "reached", "pool_hit", "replaced_at", "replaced_right_at", "harmed_at")
 
 
 @dataclass
@@ -31,22 +32,50 @@ class ReplayStats:
     accepted_at: torch.Tensor | None = None  # (B-1,) blocks whose draft i was accepted
     reached: torch.Tensor | None = None  # (B-1,) blocks where position i was checked (prefix correct)
     pool_hit: torch.Tensor | None = None  # (B-1,) reached positions whose true token was in the pool
-    replaced: int = 0  # drafts that differ from the native top-1 (over reached positions)
-    replaced_right: int = 0  # ... and equal the true token
-    harmed: int = 0  # native top-1 was right but the method replaced it
-    positions: int = 0  # reached positions
+    replaced_at: torch.Tensor | None = None  # (B-1,) reached drafts that differ from the native top-1
+    replaced_right_at: torch.Tensor | None = None  # (B-1,) ... and equal the true token
+    harmed_at: torch.Tensor | None = None  # (B-1,) ... where the native top-1 was the true token
 
     @property
     def tau(self) -> float:
         return sum(self.taus) / len(self.taus) if self.taus else 0.0
 
+    @property
+    def replaced(self) -> int:
+        return int(self.replaced_at.sum()) if self.replaced_at is not None else 0
+
+    @property
+    def replaced_right(self) -> int:
+        return int(self.replaced_right_at.sum()) if self.replaced_right_at is not None else 0
+
+    @property
+    def harmed(self) -> int:
+        return int(self.harmed_at.sum()) if self.harmed_at is not None else 0
+
+    @property
+    def positions(self) -> int:  # reached positions
+        return int(self.reached.sum()) if self.reached is not None else 0
+
+    def merge(self, other: "ReplayStats") -> "ReplayStats":
+        """Both runs' statistics as one (e.g. several benchmarks' replays pooled)."""
+        def add(a, b):
+            return b.clone() if a is None else a if b is None else a + b
+        return ReplayStats(self.taus + other.taus, self.accept_lengths + other.accept_lengths,
+                           self.steps + other.steps,
+                           *(add(getattr(self, f), getattr(other, f)) for f in _COUNTERS))
+
     def summary(self, prefix: str = "") -> dict[str, float]:
         out = {f"{prefix}tau": self.tau, f"{prefix}steps": float(self.steps)}
         if self.reached is not None:
             reached = self.reached.clamp(min=1)
-            for i, (acc, hit) in enumerate(zip((self.accepted_at / reached).tolist(), (self.pool_hit / reached).tolist())):
-                out[f"{prefix}accept_pos{i + 1}"] = acc
-                out[f"{prefix}pool_hit_pos{i + 1}"] = hit
+            replaced = self.replaced_at.clamp(min=1)
+            per_position = {"accept": self.accepted_at / reached, "pool_hit": self.pool_hit / reached,
+                            "replace_rate": self.replaced_at / reached,
+                            "repair_precision": self.replaced_right_at / replaced,
+                            "harm_rate": self.harmed_at / reached}
+            for name, values in per_position.items():
+                for i, value in enumerate(values.tolist()):
+                    out[f"{prefix}{name}_pos{i + 1}"] = value
             out[f"{prefix}pool_hit"] = float(self.pool_hit.sum() / self.reached.sum().clamp(min=1))
             out[f"{prefix}replace_rate"] = self.replaced / max(self.positions, 1)
             out[f"{prefix}repair_precision"] = self.replaced_right / max(self.replaced, 1)
@@ -65,7 +94,7 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
            repair: Repair | str | None = None, batch_size: int = 16, max_steps: int | None = None) -> ReplayStats:
     """Acceptance statistics of a method along each sequence's response (anchor starts at P)."""
     B = block_size or drafter.config.block_size
-    stats = ReplayStats(accepted_at=torch.zeros(B - 1), reached=torch.zeros(B - 1), pool_hit=torch.zeros(B - 1))
+    stats = ReplayStats(**{name: torch.zeros(B - 1) for name in _COUNTERS})
     device = drafter.fc.weight.device
     for start in range(0, len(sequences), batch_size):
         seqs = [s for s in sequences[start: start + batch_size] if s.response_len >= 2]
@@ -104,10 +133,9 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
             stats.reached += reached.sum(0).float().cpu()
             stats.pool_hit += ((pool_ids == labels[..., None]).any(-1) & reached).sum(0).float().cpu()
             replaced = (draft != native) & reached
-            stats.replaced += int(replaced.sum())
-            stats.replaced_right += int((replaced & (draft == labels)).sum())
-            stats.harmed += int((replaced & (native == labels)).sum())
-            stats.positions += int(reached.sum())
+            stats.replaced_at += replaced.sum(0).float().cpu()
+            stats.replaced_right_at += (replaced & (draft == labels)).sum(0).float().cpu()
+            stats.harmed_at += (replaced & (native == labels)).sum(0).float().cpu()
             for row in active.nonzero().squeeze(1).tolist():
                 lengths_log[row].append(int(accept_len[row]))
             accepted += torch.where(active, accept_len.float(), 0.0)

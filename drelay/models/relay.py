@@ -5,7 +5,11 @@ repairs the drafter's native choices left to right (DESIGN §1.2-§1.4).
     reader   : u_{i,j} = A·E(c_{i,j}) + Bh·h_i + f(s_{i,j}) + pos_i + rank_j
                -> R pre-norm encoder layers, FULL attention over the (B-1)*k candidates -> g_{i,j}
     selector : r_i = GRU(proj(E(ŷ_m)) + g_{m,chosen} for m < i), ŷ_0 = anchor
-               σ_{i,j} = MLP([g_{i,j}; r_i]); replace the native only if max_{j>1} σ_{i,j} - σ_{i,1} > δ
+               σ_{i,j} = s_{i,j} + MLP([g_{i,j}; r_i]); replace the native only if max_{j>1} σ_{i,j} - σ_{i,1} > δ
+
+The score is a residual on the drafter's own log-prob (its last layer starts at zero), so an untrained
+selector ranks exactly like the drafter and keeps every native choice; training learns the corrections.
+`residual: false` gives the plain σ = MLP([g; r]) (an ablation).
 
 `score` runs the selector teacher-forced on the true tokens (training, all positions at once);
 `select` runs it sequentially on its own choices (inference, the engine's `repair=` hook).
@@ -50,6 +54,7 @@ class RelayConfig:
     pool_size: int = 8  # k candidates per position (rank embeddings for k)
     prefix_model: str = "gru"  # r_i: "gru", or "attn" (1-layer causal attention)
     margin: float = 0.0  # δ >= 0: a replacement must beat the native's score by more than this
+    residual: bool = True  # σ = s (the drafter's log-prob) + MLP: starts as the native ranking
     dropout: float = 0.0
 
     def __post_init__(self):
@@ -122,6 +127,10 @@ class CausalSelector(nn.Module):
                        else EncoderLayer(d, cfg.reader_heads, cfg.dropout))
         self.prefix_norm = nn.LayerNorm(d)
         self.score_mlp = nn.Sequential(nn.Linear(2 * d, d), nn.GELU(), nn.Linear(d, 1))
+        self.residual = cfg.residual
+        if self.residual:  # an untrained selector scores exactly the drafter's log-probs
+            nn.init.zeros_(self.score_mlp[-1].weight)
+            nn.init.zeros_(self.score_mlp[-1].bias)
 
     def prefix_inputs(self, token_embeds, feature=None, has_feature=None) -> torch.Tensor:
         """token_embeds (N, t, H), the chosen candidates' g (N, t, d) where has_feature (N, t) -> (N, t, d)."""
@@ -137,14 +146,16 @@ class CausalSelector(nn.Module):
             out = self.prefix(state, causal=True)[:, -inputs.shape[1]:]
         return self.prefix_norm(out), state
 
-    def score(self, g: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """g (N, t, k, d), r (N, t, d) -> σ (N, t, k)."""
+    def score(self, g: torch.Tensor, r: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """g (N, t, k, d), r (N, t, d), the candidates' log-probs (N, t, k) -> σ (N, t, k)."""
         r = r[:, :, None].expand_as(g)  # (N, t, k, d)
-        return self.score_mlp(torch.cat([g, r], dim=-1)).squeeze(-1)
+        sigma = self.score_mlp(torch.cat([g, r], dim=-1)).squeeze(-1)
+        return sigma + logprobs.clamp(min=MIN_LOGPROB).to(sigma.dtype) if self.residual else sigma
 
-    def forward(self, g: torch.Tensor, inputs: torch.Tensor) -> torch.Tensor:
-        """Parallel (teacher-forced): g (N, n, k, d), inputs of ŷ_0..ŷ_{n-1} (N, n, d) -> σ (N, n, k)."""
-        return self.score(g, self.prefix_states(inputs)[0])
+    def forward(self, g: torch.Tensor, inputs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """Parallel (teacher-forced): g (N, n, k, d), inputs of ŷ_0..ŷ_{n-1} (N, n, d), log-probs
+        (N, n, k) -> σ (N, n, k)."""
+        return self.score(g, self.prefix_states(inputs)[0], logprobs)
 
 
 @dataclass
@@ -226,7 +237,7 @@ class DRelay(nn.Module):
         anchor = self.selector.prefix_inputs(self.embed(anchor_ids.reshape(-1, 1)))  # (N, 1, d)
         prev = prefix_ids.reshape(-1, n)[:, : n - 1]  # (N, n-1): y_1..y_{n-1}
         inputs = torch.cat([anchor, self._inputs(g[:, : n - 1], pool_ids[:, : n - 1], prev)], dim=1)  # (N, n, d)
-        sigma = self.selector(g, inputs)
+        sigma = self.selector(g, inputs, pool_logprobs.reshape(-1, n, k))
         return sigma.view(*lead, n, k), support.view(*lead, n, k)
 
     @torch.no_grad()
@@ -245,7 +256,7 @@ class DRelay(nn.Module):
         tokens, scores = [], []
         for i in range(n):
             r, state = self.selector.prefix_states(x, state)  # (b, 1, d)
-            sigma = self.selector.score(g[:, i: i + 1], r)[:, 0]  # (b, k)
+            sigma = self.selector.score(g[:, i: i + 1], r, block.pool_logprobs[:, i: i + 1])[:, 0]  # (b, k)
             j = torch.zeros(b, dtype=torch.long, device=sigma.device)
             if k > 1:
                 best, alt = sigma[:, 1:].max(-1)

@@ -170,8 +170,10 @@ def train_joint(method: str, drafter: BlockDrafter, train: list[Sequence], val: 
     state_hash = _state_hash(method, cfg, train_cfg, drafter, len(train), pool_size, seed)  # before any step
     relay = make_relay(drafter, cfg, pool_size, seed) if method == "drelay" else None
     modules = [m for m in (drafter, relay) if m is not None]
-    params = [p for m in modules for p in m.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=train_cfg.weight_decay, betas=(0.9, 0.95))
+    groups = [{"params": [p for p in m.parameters() if p.requires_grad],
+               "lr_scale": 1.0 if m is drafter else cfg.head_lr_scale} for m in modules]
+    params = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, weight_decay=train_cfg.weight_decay, betas=(0.9, 0.95))
     schedule = dataclasses.replace(train_cfg, lr=cfg.lr, warmup_steps=cfg.warmup_steps, max_steps=cfg.extra_steps)
     rng = random.Random(seed)  # the batches: same seed, same anchors for every method
     step, history, margin_taus, resumed_from = 0, [], {}, 0

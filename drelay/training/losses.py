@@ -116,5 +116,6 @@ def drelay_loss(logits: torch.Tensor, labels: torch.Tensor, sigma: torch.Tensor,
     support = hinge + bce
     loss = ce + lambda_support * support + lambda_repair * repair
     terms = {"loss": loss, "ce": ce, "support": support, "hinge": hinge, "reader_bce": bce, "repair": repair,
-             "selector_acc": ((sigma.argmax(-1) == index) & in_pool).sum() / in_pool.sum().clamp(min=1)}
+             "selector_acc": ((sigma.argmax(-1) == index) & in_pool).sum() / in_pool.sum().clamp(min=1),
+             "native_acc": ((index == 0) & in_pool).sum() / in_pool.sum().clamp(min=1)}  # the same, for the top-1
     return loss, {name: t.detach() for name, t in terms.items()}

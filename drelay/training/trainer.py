@@ -143,9 +143,10 @@ def load_checkpoint(path: Path, state_hash: str) -> dict | None:
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params, loss: torch.Tensor, lr: float,
                    grad_clip: float) -> torch.Tensor:
-    """One AdamW update at learning rate `lr` with global grad-norm clipping; returns the norm."""
+    """One AdamW update at learning rate `lr` (x a group's "lr_scale", if it has one) with global
+    grad-norm clipping; returns the norm."""
     for group in optimizer.param_groups:
-        group["lr"] = lr
+        group["lr"] = lr * group.get("lr_scale", 1.0)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip)

@@ -1,5 +1,6 @@
 """Replay (teacher-forced decode simulation) against live decoding on the same sequences."""
 
+import pytest
 import torch
 
 from drelay.decoding.generate import speculative_generate
@@ -44,3 +45,28 @@ def test_oracle_bounds_native_and_stats_are_consistent():
     # any repair plugs in: a method that always proposes token 0 accepts only where 0 is right
     zeros = replay(drafter, seqs, pool_size=4, repair=lambda block: torch.zeros_like(block.pool_ids[..., 0]))
     assert zeros.replaced > 0 and zeros.tau >= 1.0
+
+
+def test_per_position_repair_statistics_add_up_and_merge():
+    _, drafter, seqs = _setup()
+
+    def second_choice_at_first_position(block):  # a "repair" that always swaps position 1
+        draft = block.pool_ids[..., 0].clone()
+        draft[:, 0] = block.pool_ids[:, 0, 1]
+        return draft
+
+    stats = replay(drafter, seqs, pool_size=4, repair=second_choice_at_first_position)
+    s = stats.summary()
+    reached = stats.reached
+    assert stats.replaced_at[0] == reached[0] > 0 and stats.replaced_at[1:].sum() == 0  # only position 1 swaps
+    assert s["replace_rate_pos1"] == 1.0 and s["replace_rate_pos2"] == 0.0
+    assert s["replace_rate"] == stats.replaced / stats.positions == pytest.approx(float(reached[0] / reached.sum()))
+    assert s["harm_rate_pos1"] == float(stats.harmed_at[0] / reached[0])
+    assert s["repair_precision_pos1"] == float(stats.replaced_right_at[0] / stats.replaced_at[0])
+    assert stats.harmed + stats.replaced_right <= stats.replaced  # right and harmful replacements are disjoint
+    # two halves replayed apart and merged are the whole
+    a, b = replay(drafter, seqs[:2], pool_size=4), replay(drafter, seqs[2:], pool_size=4)
+    whole, merged = replay(drafter, seqs, pool_size=4), a.merge(b)
+    assert merged.taus == whole.taus and merged.steps == whole.steps
+    assert torch.equal(merged.accepted_at, whole.accepted_at) and torch.equal(merged.pool_hit, whole.pool_hit)
+    assert merged.summary() == whole.summary()

@@ -19,12 +19,21 @@ V, H = 40, 16
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _relay(prefix_model="gru", block_size=6, pool_size=4, **kw) -> DRelay:
+def as_if_trained(relay: DRelay) -> DRelay:
+    """A residual relay starts as the drafter's own ranking (zero last layer); random weights there
+    stand in for a trained one, so its decisions depend on the reader and the prefix."""
+    torch.manual_seed(1)
+    nn.init.normal_(relay.selector.score_mlp[-1].weight, std=1.0)
+    return relay
+
+
+def _relay(prefix_model="gru", block_size=6, pool_size=4, trained=True, **kw) -> DRelay:
     torch.manual_seed(0)
     cfg = RelayConfig(hidden_size=H, block_size=block_size, pool_size=pool_size, reader_dim=32,
                       reader_layers=2, reader_heads=4, prefix_model=prefix_model, **kw)
     embed = nn.Embedding(V, H).double().requires_grad_(False)
-    return DRelay(cfg).double().attach(embed)
+    relay = DRelay(cfg).double().attach(embed)
+    return as_if_trained(relay) if trained else relay
 
 
 def _block(b=4, n=5, k=4, seed=1) -> DraftBlock:
@@ -89,19 +98,21 @@ def test_selector_is_causal_given_reader_features(prefix_model):
     gen = torch.Generator().manual_seed(3)
     g = torch.randn(3, 5, 4, 32, generator=gen, dtype=torch.float64)  # (N, n, k, d)
     inputs = torch.randn(3, 5, 32, generator=gen, dtype=torch.float64)  # prefix inputs of ŷ_0..ŷ_4
-    base = relay.selector(g, inputs)
+    lp = -torch.rand(3, 5, 4, generator=gen, dtype=torch.float64)  # the candidates' log-probs
+    base = relay.selector(g, inputs, lp)
     # random, not a constant shift: LayerNorm would ignore that
     noise = lambda t: torch.randn(t.shape, generator=gen, dtype=t.dtype)  # noqa: E731
     p = 2  # change everything the selector sees from position p on: σ at 0-based < p must not move
-    g2, inputs2 = g.clone(), inputs.clone()
+    g2, inputs2, lp2 = g.clone(), inputs.clone(), lp.clone()
     g2[:, p:] += noise(g2[:, p:])
+    lp2[:, p:] += noise(lp2[:, p:])
     inputs2[:, p + 1:] += noise(inputs2[:, p + 1:])  # ŷ_{p+1}.. feed σ_{p+2}..
-    changed = relay.selector(g2, inputs2)
+    changed = relay.selector(g2, inputs2, lp2)
     torch.testing.assert_close(changed[:, :p], base[:, :p], rtol=0, atol=0)
     assert not torch.allclose(changed[:, p], base[:, p])
     inputs3 = inputs.clone()
     inputs3[:, p] += noise(inputs3[:, p])  # ŷ_p is read by r_{p+1}, i.e. σ at 0-based p, and nothing earlier
-    changed = relay.selector(g, inputs3)
+    changed = relay.selector(g, inputs3, lp)
     torch.testing.assert_close(changed[:, :p], base[:, :p], rtol=0, atol=0)
     assert not torch.allclose(changed[:, p], base[:, p])
 
@@ -119,6 +130,17 @@ def test_reader_sees_the_whole_block():
     assert not torch.allclose(sigma[:, 0], sigma2[:, 0])
 
 
+@pytest.mark.parametrize("prefix_model", ["gru", "attn"])
+def test_an_untrained_relay_scores_the_drafters_log_probs_and_keeps_every_native(prefix_model):
+    block = _block()
+    relay = _relay(prefix_model, trained=False)
+    tokens, sigma = relay.select(block, return_scores=True)
+    torch.testing.assert_close(sigma, block.pool_logprobs.to(sigma.dtype))
+    assert torch.equal(tokens, block.pool_ids[..., 0])
+    plain = _relay(prefix_model, trained=False, residual=False)  # the ablation: σ = MLP([g; r]) alone
+    assert not torch.allclose(plain.select(block, return_scores=True)[1], block.pool_logprobs.double())
+
+
 def test_decision_keeps_the_native_unless_an_alternative_wins_by_the_margin():
     relay, block = _relay(), _block(b=8)
     tokens, sigma = relay.select(block, return_scores=True)
@@ -127,8 +149,12 @@ def test_decision_keeps_the_native_unless_an_alternative_wins_by_the_margin():
     assert torch.equal(tokens, block.pool_ids.gather(-1, j[..., None]).squeeze(-1))
     assert bool((j > 0).any()) and bool((j == 0).any())
     assert torch.equal(relay.select(block, margin=1e9), block.pool_ids[..., 0])
-    wide = relay.select(block, margin=float((gain - sigma[..., 0]).median()))
-    assert (wide != block.pool_ids[..., 0]).sum() < (tokens != block.pool_ids[..., 0]).sum()
+    # at the first position (no prefix of choices yet) a wider margin replaces a subset, strictly fewer
+    first_gain = (gain - sigma[..., 0])[:, 0]
+    wide = relay.select(block, margin=float(first_gain[first_gain > 0].min()))
+    native = block.pool_ids[..., 0]
+    assert bool(((wide != native)[:, 0] <= (tokens != native)[:, 0]).all())
+    assert (wide != native)[:, 0].sum() < (tokens != native)[:, 0].sum()
 
 
 def test_save_load_keeps_the_margin_and_never_saves_the_embedding(tmp_path):
@@ -155,7 +181,7 @@ def test_engine_with_relay_repair_is_lossless_and_replay_runs():
     target = make_tiny_target(vocab_size=24, init=0.3, seed=2)  # float64
     drafter = BlockDrafter.for_target(target, block_size=4)
     torch.manual_seed(0)
-    relay = DRelay.for_drafter(drafter, reader_dim=32, reader_heads=4, pool_size=4)
+    relay = as_if_trained(DRelay.for_drafter(drafter, reader_dim=32, reader_heads=4, pool_size=4))
     replaced = []
 
     def counting(block):

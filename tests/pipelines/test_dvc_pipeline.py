@@ -16,7 +16,8 @@ import yaml
 
 from pipelines.common import REPO_ROOT
 
-STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash")
+STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash", "train@dflash", "train@drelay")
+METRICS = {"train@dflash": "joint_dflash", "train@drelay": "joint_drelay"}  # the metrics file of a stage
 pytestmark = pytest.mark.slow
 
 
@@ -80,7 +81,9 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     assert all(f"Running stage '{s}'" in log for s in STAGES), log
     for path in ("models/target/config.json", "data/prepared/train.jsonl", "data/prepared/benchmarks/mt_bench.jsonl",
                  "data/distilled/manifest.json", "models/drafter/model.safetensors", "reports/train_dflash.png",
-                 *(f"metrics/{s}.json" for s in STAGES)):
+                 "models/joint/dflash/drafter/model.safetensors", "models/joint/drelay/drafter/model.safetensors",
+                 "models/joint/drelay/relay/model.safetensors", "reports/joint_drelay.png",
+                 *(f"metrics/{METRICS.get(s, s)}.json" for s in STAGES)):
         assert (repo / path).is_file(), path
     trained = json.loads((repo / "metrics/train_dflash.json").read_text())
     assert trained["replay_tau"] >= 1 and trained["oracle_tau"] >= trained["replay_tau"]
@@ -93,17 +96,30 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
             "blocks_per_s"} <= set(train_run.data.metrics)
     assert train_run.data.params["train.lr"] == "0.001" and train_run.data.tags["profile"] == "smoke"
     assert {"response_tokens", "sequences", "generation_tokens_per_s"} <= set(runs["distill"][0].data.metrics)
+    # joint training: both methods from the same drafter, same budget; drelay logs every loss term and
+    # the per-position repair statistics, and saves the δ it chose
+    dflash, drelay = (json.loads((repo / f"metrics/joint_{m}.json").read_text()) for m in ("dflash", "drelay"))
+    assert dflash["steps"] == drelay["steps"] == 12 and dflash["start_native_tau"] == drelay["start_native_tau"]
+    relay_config = json.loads((repo / "models/joint/drelay/relay/config.json").read_text())
+    assert relay_config["margin"] == drelay["margin"] and str(drelay["margin"]) in str(drelay["margin_taus"])
+    logged = set(runs["train@drelay"][0].data.metrics)
+    terms = ("loss", "ce", "support", "hinge", "reader_bce", "repair")
+    assert {f"{split}_{t}" for split in ("train", "val") for t in terms} <= logged
+    assert {f"replay_{stat}_pos{i}" for stat in ("accept", "pool_hit", "replace_rate", "repair_precision", "harm_rate")
+            for i in (1, 2, 3)} <= logged
+    assert {"native_tau", "oracle_tau", "margin_tau_0", "margin_tau_1", "live_tau", "live_repair_share"} <= logged
+    assert drelay["live_identical_rate"] == 1.0 and runs["train@drelay"][0].data.tags["method"] == "drelay"
 
     log = _dvc(repo, env, "repro")  # nothing changed: nothing runs
     assert "Running stage" not in log, log
     assert sum(len(r) for r in _runs_by_stage(uri).values()) == len(STAGES)
 
-    _set_params(repo, {"train.lr": 0.002})  # a training param: only train_dflash reads it
+    _set_params(repo, {"joint.lambda_repair": 0.5})  # a joint param: only the train@ stages read it
     log = _dvc(repo, env, "repro")
-    assert "Running stage 'train_dflash'" in log
-    assert not any(f"Running stage '{s}'" in log for s in STAGES[:3]), log
+    assert "Running stage 'train@drelay'" in log
+    assert not any(f"Running stage '{s}'" in log for s in STAGES[:4]), log
     runs = _runs_by_stage(uri)
-    assert len(runs["train_dflash"]) == 2 and all(len(runs[s]) == 1 for s in STAGES[:3])
+    assert len(runs["train@drelay"]) == 2 and all(len(runs[s]) == 1 for s in STAGES[:4])
 
 
 def _stage(repo: Path, env: dict, stage: str, *args: str, **kw) -> subprocess.CompletedProcess:
@@ -125,6 +141,12 @@ def test_bad_key_and_missing_mirror_are_clear_errors(smoke_repo, env, tmp_path):
     assert out.returncode == 2, out.stderr[-2000:]
     assert str(empty / "benchmarks") in out.stderr and "openai/gsm8k" in out.stderr
     assert (smoke_repo / "data/prepared/train.jsonl").is_file()  # what was computed is still there
+
+    out = _stage(smoke_repo, env, "train", "--method", "drelay", "--set", f"train.out_dir={tmp_path / 'none'}")
+    assert out.returncode == 2 and str(tmp_path / "none") in out.stderr and "train_dflash stage" in out.stderr
+    assert "Traceback" not in out.stderr
+    out = _stage(smoke_repo, env, "train", "--method", "domino")
+    assert out.returncode == 2 and "invalid choice: 'domino'" in out.stderr
 
 
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:

@@ -21,7 +21,7 @@ from tests.conftest import make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
 POOL = 4
-TERMS = ("loss", "ce", "support", "hinge", "reader_bce", "repair", "selector_acc")
+TERMS = ("loss", "ce", "support", "hinge", "reader_bce", "repair", "selector_acc", "native_acc")
 # Responses are random two-token phrases. A phrase's second token is 5 or 7 half the time each (7 also
 # follows 9), but after 4 it is 5 five times out of six: a drafter's independent per-position top-1 is a
 # coin toss that may say "4 7" (and flip as it trains); a selector that reads its own prefix says "4 5".
@@ -176,13 +176,14 @@ def test_choose_margin_picks_the_best_held_out_replay_tau_and_the_relay_is_saved
 def test_trained_drelay_repairs_the_drafter_and_beats_the_equal_budget_baseline(runs):
     history = runs["drelay"]["result"].history
     start, final = history[0], history[-1]
-    assert start["replay_tau"] < start["native_tau"]  # an untrained selector only does harm
+    assert start["replay_tau"] == start["native_tau"] and start["replay_replace_rate"] == 0  # starts as the native
     assert final["replay_tau"] > start["native_tau"], (start, final)
     assert final["replay_tau"] >= final["native_tau"]  # with its δ it never loses to its own backbone
     assert final["replay_tau"] >= runs["dflash"]["result"].final["replay_tau"]  # the same extra steps as CE only
     assert final["replay_replace_rate"] > 0 and final["replay_repair_precision"] > 0.5
-    assert final["val_repair"] < start["val_repair"] - 0.3 and final["val_reader_bce"] < start["val_reader_bce"]
+    assert final["val_repair"] < 0.8 * start["val_repair"] and final["val_reader_bce"] < start["val_reader_bce"]
     assert final["val_selector_acc"] > start["val_selector_acc"]
+    assert final["val_selector_acc"] > final["val_native_acc"]  # teacher-forced, it beats the drafter's top-1
 
 
 class Killed(Exception):

@@ -128,6 +128,15 @@ def test_joint_loss_reaches_backbone_reader_and_selector():
     assert set(terms) >= {"loss", "ce", "support", "hinge", "reader_bce", "repair"}
     assert all(bool(torch.isfinite(t)) for t in terms.values()) and float(terms["repair"]) > 0
     loss.backward()
+    # the selector's last layer starts at zero (σ = the drafter's log-prob): the first step moves it
+    # (and the reader through its support head); one step later the gradient reaches every weight
+    grads = _nonzero_grad(relay)
+    assert grads["selector.score_mlp.2.weight"] and grads["reader.layers.0.qkv.weight"]
+    assert not grads["selector.prefix.weight_hh_l0"]
+    torch.optim.SGD(relay.parameters(), lr=0.1).step()
+    drafter.zero_grad(), relay.zero_grad()
+    logits, sigma, support, pool_ids = forward()
+    drelay_loss(logits, batch.labels, sigma, support, pool_ids, gamma=4.0)[0].backward()
     assert all(_nonzero_grad(relay).values()), [n for n, ok in _nonzero_grad(relay).items() if not ok]
     assert _nonzero_grad(drafter)["fc.weight"] and _nonzero_grad(drafter)["layers.0.attn.q_proj.weight"]
     assert target.embed_tokens.weight.grad is None  # E stays frozen

@@ -1,0 +1,85 @@
+"""Exact T=0 evaluation by replay (DESIGN §1.8): the target's own greedy continuation of each
+benchmark prompt is generated once (with its context features, like distillation), then every
+method's decode loop is simulated along it. A lossless greedy decoder commits exactly that
+continuation, so the acceptance lengths are the live ones, and all methods are scored on identical
+blocks from one target pass per prompt.
+
+Continuations are stored like distilled data (`<dir>/<benchmark>/turn<t>/`, resumable shards), so a
+second evaluation with the same target and settings reuses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from drelay.decoding.generate import Repair
+from drelay.decoding.replay import ReplayStats, replay
+from drelay.eval.benchmarks import BenchmarkSample, conversation, load_benchmark
+from drelay.models.drafter import BlockDrafter
+from drelay.models.target import Target
+from drelay.training.distill import Sequence, distill, load_distilled
+
+
+@dataclass
+class ReplayMethod:
+    """A method as replay sees it: a drafter and its repair (None: native top-1; "oracle"; a hook)."""
+
+    drafter: BlockDrafter
+    repair: Repair | str | None = None
+
+
+def continuations(target: Target, samples: list[BenchmarkSample], out_dir: str | Path, *, max_new_tokens: int,
+                  max_prompt_tokens: int, batch_size: int = 16, turns: int | None = None,
+                  progress: Callable[[int, int], None] | None = None) -> list[Sequence]:
+    """The target's greedy continuation of every turn of every sample (turn t+1 follows the target's own
+    answer to turn t), with context features for the layers `target` captures. Prompts longer than
+    `max_prompt_tokens` are skipped. Returns turn 1 of every kept sample, then turn 2, ..."""
+    out_dir = Path(out_dir)
+    answers: dict[str, list[str]] = {s.id: [] for s in samples}
+    live = list(samples)
+    result: list[Sequence] = []
+    n_turns = max((len(s.turns) for s in samples), default=0) if turns is None else turns
+    for turn in range(n_turns):
+        live = [s for s in live if len(s.turns) > turn and len(answers[s.id]) == turn]
+        prompts, kept = [], []
+        for sample in live:
+            ids = target.encode_chat(conversation(sample, answers[sample.id]))
+            if len(ids) <= max_prompt_tokens:
+                prompts.append(ids)
+                kept.append(sample)
+        if not prompts:
+            break
+        folder = out_dir / f"turn{turn + 1}"
+        distill(target, prompts, folder, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                shard_size=max(len(prompts), 1), stop_ids=target.stop_token_ids(),
+                settings={"target": target.fingerprint(), "layers": list(target.layer_ids)}, progress=progress)
+        seqs = load_distilled(folder)
+        stop = set(target.stop_token_ids())
+        for sample, seq in zip(kept, seqs):
+            reply = [t for t in seq.tokens[seq.prompt_len:].tolist() if t not in stop]
+            answers[sample.id].append(target.tokenizer.decode(reply, skip_special_tokens=True))
+        result.extend(seqs)
+        live = kept
+    return result
+
+
+def benchmark_continuations(target: Target, name: str, mirror: str | Path, limit: int | None, out_dir: str | Path,
+                            **kwargs) -> list[Sequence]:
+    """`continuations` of the first `limit` samples of benchmark `name` into `<out_dir>/<name>`."""
+    return continuations(target, load_benchmark(name, mirror, limit), Path(out_dir) / name, **kwargs)
+
+
+@torch.no_grad()
+def replay_methods(methods: dict[str, ReplayMethod], sequences: list[Sequence], pool_size: int,
+                   autocast: bool = True) -> dict[str, ReplayStats]:
+    """Every method replayed on the same sequences (bf16 autocast, as in training, when `autocast`)."""
+    out = {}
+    for name, method in methods.items():
+        device = method.drafter.fc.weight.device.type
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out[name] = replay(method.drafter, sequences, pool_size=pool_size, repair=method.repair)
+    return out

@@ -1,0 +1,169 @@
+"""train@<method>: continue the trained DFlash drafter for joint.extra_steps with one method's objective
+(`dflash`: its CE alone, the equal-budget baseline; `drelay`: backbone + global reader + causal
+selector jointly), same data, same batches, same schedule (DESIGN §1.7). Logs every loss term and the
+held-out replay statistics per block position to MLflow, chooses δ on held-out replay τ (drelay),
+and measures live τ / speedup / the repair's share of a step on the validation prompts.
+
+    python -m pipelines.train --method drelay [--params P] [--set joint.extra_steps=50]
+"""
+
+from pipelines.common import configure_environment, stage_main, write_metrics
+
+configure_environment()
+
+from pathlib import Path  # noqa: E402
+
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+from prefect import flow, task  # noqa: E402
+from tqdm import tqdm  # noqa: E402
+
+from drelay.config import JOINT_METHODS, load_params  # noqa: E402
+from drelay.eval.live import LiveMethod, live_compare  # noqa: E402
+from drelay.io import read_jsonl  # noqa: E402
+from drelay.models.drafter import BlockDrafter, DrafterError  # noqa: E402
+from drelay.models.relay import DRelay  # noqa: E402
+from drelay.models.target import Target  # noqa: E402
+from drelay.training.distill import load_distilled  # noqa: E402
+from drelay.training.joint import JointResult, train_joint  # noqa: E402
+from drelay.training.trainer import split_sequences  # noqa: E402
+from pipelines.tracking import stage_run  # noqa: E402
+
+PER_POSITION = ("accept", "pool_hit", "replace_rate", "repair_precision", "harm_rate")
+LOSS_TERMS = ("loss", "ce", "support", "hinge", "reader_bce", "repair")
+
+
+def stage_name(method: str) -> str:
+    return f"train@{method}"
+
+
+def per_position(record: dict, name: str, prefix: str = "replay_") -> list[float]:
+    values, i = [], 1
+    while f"{prefix}{name}_pos{i}" in record:
+        values.append(record[f"{prefix}{name}_pos{i}"])
+        i += 1
+    return values
+
+
+def oracle_gap_closed(tau: float, native_tau: float, oracle_tau: float) -> float:
+    """(τ - τ_native) / (τ_oracle - τ_native): the share of what a perfect repair would add (DESIGN §1.8)."""
+    gap = oracle_tau - native_tau
+    return (tau - native_tau) / gap if gap > 1e-9 else 0.0
+
+
+def plot_joint(method: str, result: JointResult, curve: dict[str, list[tuple[int, float]]], path: Path) -> plt.Figure:
+    """Loss terms, held-out τ over training, the final per-position statistics and (drelay) τ by δ."""
+    final, history = result.final, result.history
+    fig, axes = plt.subplots(1, 4 if result.margin_taus else 3, figsize=(18 if result.margin_taus else 14, 3.8))
+    ax = axes[0]
+    for name, points in curve.items():
+        ax.plot(*zip(*points), label=name, alpha=0.8)
+    ax.set(xlabel="extra step", ylabel="loss", title=f"{method}: training loss terms")
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    steps = [h["step"] for h in history]
+    ax.plot(steps, [h["replay_tau"] for h in history], "o-", label=f"{method}")
+    ax.plot(steps, [h["native_tau"] for h in history], "s--", label="native top-1")
+    ax.plot(steps, [h["oracle_tau"] for h in history], "^:", label="oracle (true token if in pool)")
+    ax.set(xlabel="extra step", ylabel="τ", title="held-out replay τ")
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    for name in PER_POSITION:
+        values = per_position(final, name)
+        ax.plot(range(1, len(values) + 1), values, "o-", label=name)
+    ax.set(xlabel="block position", ylabel="rate", ylim=(0, 1.02), title="held-out, per position (final)")
+    ax.legend(fontsize=8)
+    if result.margin_taus:
+        ax = axes[3]
+        margins = sorted(result.margin_taus)
+        ax.plot(margins, [result.margin_taus[m] for m in margins], "o-", label="relay τ")
+        ax.axhline(final["native_tau"], ls="--", color="gray", label="native τ")
+        ax.axvline(result.margin, ls=":", color="k", label=f"chosen δ = {result.margin:g}")
+        ax.set(xlabel="δ (repair margin)", ylabel="held-out replay τ", title="choice of δ")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    return fig
+
+
+@task
+def live_method_tau(target: Target, method: str, out_dir: Path, prompts: list[dict], max_new_tokens: int,
+                    pool_size: int) -> dict:
+    """Live greedy decoding of the trained method (bf16, as served) against AR on the validation prompts."""
+    drafter = BlockDrafter.load(out_dir / "drafter", target)
+    repair = DRelay.load(out_dir / "relay", target.embed_tokens).eval() if method == "drelay" else None
+    ids = [target.encode_chat(record["messages"]) for record in prompts]
+    result = live_compare(target, {method: LiveMethod(drafter, repair)}, ids, max_new_tokens,
+                          pool_size, desc=f"live τ ({method})")
+    return result.get(method, {})
+
+
+@flow(name="train")
+def train_flow(params_path: str = "params.yaml", overrides: list[str] | None = None, method: str = "drelay") -> dict:
+    """Joint training of one method from the train_dflash drafter into joint.out_dir/<method>."""
+    params = load_params(params_path, overrides)
+    cfg, train_cfg = params.joint, params.train
+    torch.manual_seed(params.run.seed)
+    if params.run.threads:
+        torch.set_num_threads(params.run.threads)
+    stage = stage_name(method)
+    with stage_run(stage, params, ["target", "drafter", "train", "joint"]) as tracker:
+        tracker.client.set_tag(tracker.run_id, "method", method)
+        target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)
+        try:
+            drafter = BlockDrafter.load(train_cfg.out_dir, target).float()  # fp32 master weights, bf16 autocast
+        except DrafterError as err:
+            raise FileNotFoundError(f"{err} (the train_dflash stage makes it)") from err
+        train, val = split_sequences(load_distilled(params.distill.out_dir), train_cfg.val_fraction, params.run.seed)
+        curve: dict[str, list[tuple[int, float]]] = {}
+
+        def log(metrics: dict, step: int) -> None:
+            tracker.log_metrics(metrics, step=step)
+            for name in LOSS_TERMS:
+                if f"train_{name}" in metrics:
+                    curve.setdefault(name, []).append((step, metrics[f"train_{name}"]))
+
+        bar = tqdm(total=cfg.extra_steps, desc=stage, unit="step", dynamic_ncols=True)
+
+        def progress(step: int, metrics: dict) -> None:
+            bar.n = step
+            bar.set_postfix(loss=f"{metrics['train_loss']:.3f}")
+            bar.refresh()
+
+        result = train_joint(method, drafter, train, val, cfg, train_cfg, pool_size=params.decode.pool_size,
+                             seed=params.run.seed, log=log, progress=progress)
+        bar.close()
+        val_prompts = read_jsonl(f"{params.data.out_dir}/val.jsonl")[: train_cfg.live_prompts]
+        live = live_method_tau(target, method, result.out_dir, val_prompts, train_cfg.live_max_new_tokens,
+                               params.decode.pool_size)
+        final = result.final
+        metrics = {
+            "steps": result.steps, "resumed_from_step": result.resumed_from,
+            "train_sequences": len(train), "val_sequences": len(val), "train_blocks_per_s": result.blocks_per_s,
+            "replay_tau": final["replay_tau"], "native_tau": final["native_tau"], "oracle_tau": final["oracle_tau"],
+            "start_native_tau": result.history[0]["native_tau"],
+            "oracle_gap_closed": oracle_gap_closed(final["replay_tau"], final["native_tau"], final["oracle_tau"]),
+            **{k: v for k, v in final.items() if k.startswith(("val_", "replay_"))},
+            **live,
+        }
+        if result.margin is not None:
+            metrics["margin"] = result.margin
+            metrics["margin_taus"] = {f"{m:g}": tau for m, tau in result.margin_taus.items()}
+        tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith("live") or k.endswith("_closed")
+                             or k == "ar_tokens_per_s"}, step=result.steps)
+        fig = plot_joint(method, result, curve, Path(f"reports/joint_{method}.png"))
+        tracker.log_figure(fig, f"plots/joint_{method}.png")
+        tracker.log_dict({"history": result.history, "margin_taus": {str(k): v for k, v in result.margin_taus.items()}},
+                         "history.json")
+        tracker.log_artifacts(result.out_dir, method)
+        write_metrics(f"joint_{method}", metrics)
+    return metrics
+
+
+if __name__ == "__main__":
+    stage_main(train_flow, options={"method": dict(required=True, choices=JOINT_METHODS,
+                                                   help="the head to train (joint.methods lists the stages)")})
