@@ -208,6 +208,8 @@ class JointConfig:
     reader_layers: int = 2  # R, full-attention encoder layers of the reader (0: no cross-position view, ablation)
     reader_heads: int = 4  # attention heads of the reader; must divide reader_dim
     prefix_model: str = "gru"  # selector prefix state r_i: gru | attn (1-layer causal attention)
+    residual_score: bool = True  # σ = the drafter's log-prob + learned terms (false: MLP alone, an ablation)
+    bilinear_rank: int = 64  # rank of the candidate x prefix-state bilinear score term (0: off)
     margins: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0)  # δ candidates; the best held-out replay τ is kept
     methods: tuple[str, ...] = ("dflash", "drelay")  # which methods the stage trains
     replay_sequences: int = 32  # held-out sequences replayed at each evaluation and to choose δ
@@ -222,7 +224,7 @@ class JointConfig:
             _require(getattr(self, key) >= 1, key, ">= 1", getattr(self, key))
         _require(self.lr > 0, "lr", "> 0", self.lr)
         _require(self.head_lr_scale > 0, "head_lr_scale", "> 0", self.head_lr_scale)
-        for key in ("warmup_steps", "reader_layers", "lambda_support", "lambda_repair", "hinge_margin"):
+        for key in ("warmup_steps", "reader_layers", "bilinear_rank", "lambda_support", "lambda_repair", "hinge_margin"):
             _require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
         _require(0 < self.eps <= 1, "eps", "in (0, 1]", self.eps)
         _require(self.reader_dim % self.reader_heads == 0, "reader_heads",

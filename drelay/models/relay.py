@@ -5,10 +5,13 @@ repairs the drafter's native choices left to right (DESIGN §1.2-§1.4).
     reader   : u_{i,j} = A·E(c_{i,j}) + Bh·h_i + f(s_{i,j}) + pos_i + rank_j
                -> R pre-norm encoder layers, FULL attention over the (B-1)*k candidates -> g_{i,j}
     selector : r_i = GRU(proj(E(ŷ_m)) + g_{m,chosen} for m < i), ŷ_0 = anchor
-               σ_{i,j} = s_{i,j} + MLP([g_{i,j}; r_i]); replace the native only if max_{j>1} σ_{i,j} - σ_{i,1} > δ
+               σ_{i,j} = s_{i,j} + MLP([g_{i,j}; r_i]) + <P g_{i,j}, Q r_i>;
+               replace the native only if max_{j>1} σ_{i,j} - σ_{i,1} > δ
 
 The score is a residual on the drafter's own log-prob (its last layer starts at zero), so an untrained
 selector ranks exactly like the drafter and keeps every native choice; training learns the corrections.
+The low-rank bilinear term lets a candidate and the chosen prefix interact directly (rank `bilinear_rank`,
+0: off), which is easier to learn than through the MLP alone.
 `residual: false` gives the plain σ = MLP([g; r]) (an ablation).
 
 `score` runs the selector teacher-forced on the true tokens (training, all positions at once);
@@ -55,6 +58,7 @@ class RelayConfig:
     prefix_model: str = "gru"  # r_i: "gru", or "attn" (1-layer causal attention)
     margin: float = 0.0  # δ >= 0: a replacement must beat the native's score by more than this
     residual: bool = True  # σ = s (the drafter's log-prob) + MLP: starts as the native ranking
+    bilinear_rank: int = 64  # rank of the candidate x prefix-state bilinear score term (0: none)
     dropout: float = 0.0
 
     def __post_init__(self):
@@ -128,9 +132,15 @@ class CausalSelector(nn.Module):
         self.prefix_norm = nn.LayerNorm(d)
         self.score_mlp = nn.Sequential(nn.Linear(2 * d, d), nn.GELU(), nn.Linear(d, 1))
         self.residual = cfg.residual
+        self.bilinear_rank = cfg.bilinear_rank
+        if self.bilinear_rank:
+            self.cand_proj = nn.Linear(d, cfg.bilinear_rank, bias=False)
+            self.prefix_proj = nn.Linear(d, cfg.bilinear_rank, bias=False)
         if self.residual:  # an untrained selector scores exactly the drafter's log-probs
             nn.init.zeros_(self.score_mlp[-1].weight)
             nn.init.zeros_(self.score_mlp[-1].bias)
+            if self.bilinear_rank:
+                nn.init.zeros_(self.prefix_proj.weight)
 
     def prefix_inputs(self, token_embeds, feature=None, has_feature=None) -> torch.Tensor:
         """token_embeds (N, t, H), the chosen candidates' g (N, t, d) where has_feature (N, t) -> (N, t, d)."""
@@ -148,8 +158,9 @@ class CausalSelector(nn.Module):
 
     def score(self, g: torch.Tensor, r: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """g (N, t, k, d), r (N, t, d), the candidates' log-probs (N, t, k) -> σ (N, t, k)."""
-        r = r[:, :, None].expand_as(g)  # (N, t, k, d)
-        sigma = self.score_mlp(torch.cat([g, r], dim=-1)).squeeze(-1)
+        sigma = self.score_mlp(torch.cat([g, r[:, :, None].expand_as(g)], dim=-1)).squeeze(-1)  # (N, t, k)
+        if self.bilinear_rank:
+            sigma = sigma + (self.cand_proj(g) * self.prefix_proj(r)[:, :, None]).sum(-1) / self.bilinear_rank ** 0.5
         return sigma + logprobs.clamp(min=MIN_LOGPROB).to(sigma.dtype) if self.residual else sigma
 
     def forward(self, g: torch.Tensor, inputs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:

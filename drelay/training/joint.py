@@ -63,7 +63,8 @@ def make_relay(drafter: BlockDrafter, cfg: JointConfig, pool_size: int, seed: in
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return DRelay.for_drafter(drafter, reader_dim=cfg.reader_dim, reader_layers=cfg.reader_layers,
-                                  reader_heads=cfg.reader_heads, pool_size=pool_size, prefix_model=cfg.prefix_model)
+                                  reader_heads=cfg.reader_heads, pool_size=pool_size, prefix_model=cfg.prefix_model,
+                                  residual=cfg.residual_score, bilinear_rank=cfg.bilinear_rank)
 
 
 def joint_loss(drafter: BlockDrafter, relay: DRelay | None, batch: BlockBatch, cfg: JointConfig, gamma: float,

@@ -24,6 +24,8 @@ def as_if_trained(relay: DRelay) -> DRelay:
     stand in for a trained one, so its decisions depend on the reader and the prefix."""
     torch.manual_seed(1)
     nn.init.normal_(relay.selector.score_mlp[-1].weight, std=1.0)
+    if relay.config.bilinear_rank:
+        nn.init.normal_(relay.selector.prefix_proj.weight, std=0.2)
     return relay
 
 

@@ -178,7 +178,10 @@ def _repair_stats(relay: DRelay, block: DraftBlock, labels: torch.Tensor) -> tup
 def test_a_synthetic_repair_task_is_learned():
     torch.manual_seed(0)
     embed = nn.Embedding(V, H).requires_grad_(False)
-    relay = DRelay(RelayConfig(hidden_size=H, block_size=B, pool_size=K, reader_dim=32, reader_heads=4)).attach(embed)
+    # the reader's view across positions is what this task needs; the bilinear prefix term is off (with it,
+    # 400 steps reach a repair rate of 0.14 here instead of 0.52)
+    cfg = RelayConfig(hidden_size=H, block_size=B, pool_size=K, reader_dim=32, reader_heads=4, bilinear_rank=0)
+    relay = DRelay(cfg).attach(embed)
     gen = torch.Generator().manual_seed(1)
     held_out, held_labels = _synthetic(256, gen)
     native_accept = float((held_out.pool_ids[..., 0] == held_labels).long().cumprod(1).sum(1).float().mean())
