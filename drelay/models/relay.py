@@ -156,17 +156,63 @@ class CausalSelector(nn.Module):
             out = self.prefix(state, causal=True)[:, -inputs.shape[1]:]
         return self.prefix_norm(out), state
 
+    def gru_stepper(self, candidate_inputs: torch.Tensor) -> "_GRUStepper":
+        """The GRU prefix model one step at a time, with the input side of every candidate's gates
+        precomputed in one matmul (inference: the sequential loop only multiplies the state)."""
+        return _GRUStepper(self, candidate_inputs)
+
+    def candidate_terms(self, g: torch.Tensor, logprobs: torch.Tensor) -> tuple:
+        """The parts of σ that depend on the candidates alone, computed once per block: the MLP's first
+        layer on g (N, t, k, d), the bilinear candidate factor (N, t, k, R) and the clamped log-probs."""
+        d = g.shape[-1]
+        first = self.score_mlp[0]
+        a = F.linear(g, first.weight[:, :d], first.bias)
+        c = self.cand_proj(g) if self.bilinear_rank else None
+        return a, c, logprobs.clamp(min=MIN_LOGPROB).to(a.dtype)
+
+    def score_terms(self, terms: tuple, r: torch.Tensor) -> torch.Tensor:
+        """σ (N, t, k) from `candidate_terms` and the prefix states r (N, t, d): the MLP on [g; r] is its
+        first layer split into a g part (precomputed) and an r part, so the sequential loop only pays for r."""
+        a, c, logprobs = terms
+        first, d = self.score_mlp[0], r.shape[-1]
+        h = a + F.linear(r, first.weight[:, d:])[:, :, None]  # (N, t, k, d)
+        sigma = self.score_mlp[2](self.score_mlp[1](h)).squeeze(-1)
+        if self.bilinear_rank:
+            sigma = sigma + (c * self.prefix_proj(r)[:, :, None]).sum(-1) / self.bilinear_rank ** 0.5
+        return sigma + logprobs if self.residual else sigma
+
     def score(self, g: torch.Tensor, r: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """g (N, t, k, d), r (N, t, d), the candidates' log-probs (N, t, k) -> σ (N, t, k)."""
-        sigma = self.score_mlp(torch.cat([g, r[:, :, None].expand_as(g)], dim=-1)).squeeze(-1)  # (N, t, k)
-        if self.bilinear_rank:
-            sigma = sigma + (self.cand_proj(g) * self.prefix_proj(r)[:, :, None]).sum(-1) / self.bilinear_rank ** 0.5
-        return sigma + logprobs.clamp(min=MIN_LOGPROB).to(sigma.dtype) if self.residual else sigma
+        return self.score_terms(self.candidate_terms(g, logprobs), r)
 
     def forward(self, g: torch.Tensor, inputs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
         """Parallel (teacher-forced): g (N, n, k, d), inputs of ŷ_0..ŷ_{n-1} (N, n, d), log-probs
         (N, n, k) -> σ (N, n, k)."""
         return self.score(g, self.prefix_states(inputs)[0], logprobs)
+
+
+class _GRUStepper:
+    """nn.GRU's update, h' = (1 - z) * n + z * h with r, z = σ(W_i x + b_i + W_h h + b_h) and
+    n = tanh(W_in x + b_in + r * (W_hn h + b_hn)), unrolled by hand so that W_i x is computed once for
+    all candidates. Called with x = the prefix input (the anchor's, first) or, later, a row of
+    `input_gates`; returns (LayerNorm(h'), h') like `prefix_states`."""
+
+    def __init__(self, selector: CausalSelector, candidate_inputs: torch.Tensor):
+        gru = selector.prefix
+        self.w_ih, self.w_hh, self.b_ih, self.b_hh = gru.weight_ih_l0, gru.weight_hh_l0, gru.bias_ih_l0, gru.bias_hh_l0
+        self.norm = selector.prefix_norm
+        self.input_gates = F.linear(candidate_inputs, self.w_ih, self.b_ih)  # (b, n, k, 3d)
+        self.width = self.w_hh.shape[1]
+
+    def __call__(self, x: torch.Tensor, state: torch.Tensor | None):
+        gi = x if x.shape[-1] == 3 * self.width else F.linear(x, self.w_ih, self.b_ih)  # (b, 1, 3d)
+        h = torch.zeros_like(gi[..., : self.width]) if state is None else state  # (b, 1, d)
+        gh = F.linear(h, self.w_hh, self.b_hh)
+        i_r, i_z, i_n = gi.chunk(3, -1)
+        h_r, h_z, h_n = gh.chunk(3, -1)
+        r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
+        h = (1 - z) * torch.tanh(i_n + r * h_n) + z * h
+        return self.norm(h), h
 
 
 @dataclass
@@ -263,11 +309,16 @@ class DRelay(nn.Module):
         pool_ids = block.pool_ids
         b, n, k = pool_ids.shape
         g, _ = self.read(block.hidden, pool_ids, block.pool_logprobs)  # (b, n, k, d)
-        x, state = self.selector.prefix_inputs(self.embed(block.anchor_ids[:, None])), None  # (b, 1, d)
+        sel = self.selector
+        terms = sel.candidate_terms(g, block.pool_logprobs)  # the candidate-only parts of σ, once
+        # the prefix input each candidate would feed if chosen (chosen tokens are always in the pool)
+        chosen_inputs = sel.prefix_inputs(self.embed(pool_ids), g, torch.ones_like(pool_ids, dtype=torch.bool))
+        x, state = sel.prefix_inputs(self.embed(block.anchor_ids[:, None])), None  # (b, 1, d)
+        step = sel.gru_stepper(chosen_inputs) if sel.kind == "gru" and prefix_ids is None else None
         tokens, scores = [], []
         for i in range(n):
-            r, state = self.selector.prefix_states(x, state)  # (b, 1, d)
-            sigma = self.selector.score(g[:, i: i + 1], r, block.pool_logprobs[:, i: i + 1])[:, 0]  # (b, k)
+            r, state = sel.prefix_states(x, state) if step is None else step(x, state)  # (b, 1, d)
+            sigma = sel.score_terms(tuple(t[:, i: i + 1] if t is not None else None for t in terms), r)[:, 0]  # (b, k)
             j = torch.zeros(b, dtype=torch.long, device=sigma.device)
             if k > 1:
                 best, alt = sigma[:, 1:].max(-1)
@@ -275,8 +326,11 @@ class DRelay(nn.Module):
             tokens.append(pool_ids[:, i].gather(1, j[:, None]))  # (b, 1)
             scores.append(sigma)
             if i < n - 1:
-                fed = tokens[-1] if prefix_ids is None else prefix_ids[:, i: i + 1]
-                x = self._inputs(g[:, i: i + 1], pool_ids[:, i: i + 1], fed)
+                if prefix_ids is None:  # the chosen candidate's input (or its precomputed GRU input gates)
+                    source = chosen_inputs if step is None else step.input_gates
+                    x = source[:, i].gather(1, j[:, None, None].expand(-1, 1, source.shape[-1]))  # (b, 1, ·)
+                else:
+                    x = self._inputs(g[:, i: i + 1], pool_ids[:, i: i + 1], prefix_ids[:, i: i + 1])
         tokens = torch.cat(tokens, dim=1)  # (b, n)
         return (tokens, torch.stack(scores, dim=1)) if return_scores else tokens
 
