@@ -187,7 +187,7 @@ class TrainConfig:
         _require(self.live_prompts >= 0, "live_prompts", ">= 0", self.live_prompts)
 
 
-JOINT_METHODS = ("dflash", "drelay")  # the heads with a joint trainer so far (DESIGN §1.7)
+JOINT_METHODS = ("dflash", "drelay", "dflash2", "domino", "dspark")  # the methods with a joint trainer (DESIGN §1.7)
 PREFIX_MODELS = ("gru", "attn")
 
 
@@ -210,6 +210,12 @@ class JointConfig:
     prefix_model: str = "gru"  # selector prefix state r_i: gru | attn (1-layer causal attention)
     residual_score: bool = True  # σ = the drafter's log-prob + learned terms (false: MLP alone, an ablation)
     bilinear_rank: int = 64  # rank of the candidate x prefix-state bilinear score term (0: off)
+    dflash2_rank: int = 64  # dflash2: rank of the predecessor x hidden x candidate trilinear term
+    domino_gru_size: int = 256  # domino: width of the GRU over the chosen tokens' embeddings
+    domino_rank: int = 128  # domino: width of the low-rank MLP into the vocabulary
+    domino_anneal_fraction: float = 0.5  # domino: λ of (1-λ)·CE(final) + λ·CE(base) falls 1 -> 0 over this share
+    dspark_rank: int = 256  # dspark: rank of the Markov bigram bias W2(W1[prev])
+    dspark_lambda_conf: float = 1.0  # dspark: weight of the confidence head's BCE
     margins: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0)  # δ candidates; the best held-out replay τ is kept
     methods: tuple[str, ...] = ("dflash", "drelay")  # which methods the stage trains
     replay_sequences: int = 32  # held-out sequences replayed at each evaluation and to choose δ
@@ -220,11 +226,14 @@ class JointConfig:
 
     def __post_init__(self) -> None:
         for key in ("extra_steps", "reader_dim", "reader_heads", "replay_sequences", "eval_every",
-                    "checkpoint_every"):
+                    "checkpoint_every", "dflash2_rank", "domino_gru_size", "domino_rank", "dspark_rank"):
             _require(getattr(self, key) >= 1, key, ">= 1", getattr(self, key))
         _require(self.lr > 0, "lr", "> 0", self.lr)
         _require(self.head_lr_scale > 0, "head_lr_scale", "> 0", self.head_lr_scale)
-        for key in ("warmup_steps", "reader_layers", "bilinear_rank", "lambda_support", "lambda_repair", "hinge_margin"):
+        _require(0 <= self.domino_anneal_fraction <= 1, "domino_anneal_fraction", "in [0, 1]",
+                 self.domino_anneal_fraction)
+        for key in ("warmup_steps", "reader_layers", "bilinear_rank", "lambda_support", "lambda_repair", "hinge_margin",
+                    "dspark_lambda_conf"):
             _require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
         _require(0 < self.eps <= 1, "eps", "in (0, 1]", self.eps)
         _require(self.reader_dim % self.reader_heads == 0, "reader_heads",

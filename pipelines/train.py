@@ -25,15 +25,15 @@ from drelay.config import JOINT_METHODS, load_params  # noqa: E402
 from drelay.eval.live import LiveMethod, live_compare  # noqa: E402
 from drelay.io import read_jsonl  # noqa: E402
 from drelay.models.drafter import BlockDrafter, DrafterError  # noqa: E402
-from drelay.models.relay import DRelay  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
 from drelay.training.distill import load_distilled  # noqa: E402
-from drelay.training.joint import JointResult, train_joint  # noqa: E402
+from drelay.training.joint import JointResult, load_method_head, train_joint  # noqa: E402
 from drelay.training.trainer import split_sequences  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
 
 PER_POSITION = ("accept", "pool_hit", "replace_rate", "repair_precision", "harm_rate")
-LOSS_TERMS = ("loss", "ce", "support", "hinge", "reader_bce", "repair")
+LOSS_TERMS = ("loss", "ce", "support", "hinge", "reader_bce", "repair",  # drelay
+              "selector", "final", "markov_ce", "conf_bce")  # dflash2, domino, dspark
 
 
 def stage_name(method: str) -> str:
@@ -95,7 +95,7 @@ def live_method_tau(target: Target, method: str, out_dir: Path, prompts: list[di
                     pool_size: int) -> dict:
     """Live greedy decoding of the trained method (bf16, as served) against AR on the validation prompts."""
     drafter = BlockDrafter.load(out_dir / "drafter", target)
-    repair = DRelay.load(out_dir / "relay", target.embed_tokens).eval() if method == "drelay" else None
+    repair = load_method_head(method, out_dir, target.embed_tokens)
     ids = [target.encode_chat(record["messages"]) for record in prompts]
     result = live_compare(target, {method: LiveMethod(drafter, repair)}, ids, max_new_tokens,
                           pool_size, desc=f"live τ ({method})")

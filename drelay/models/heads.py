@@ -193,10 +193,16 @@ class RepairHead(nn.Module):
 
     # ------------------------------------------------------------------------------ computation
     @staticmethod
-    def _pick(scores: torch.Tensor, ids: torch.Tensor | None) -> torch.Tensor:
-        """The argmax choice of each position as a token id: (..., m) -> (...)."""
+    def _pick(scores: torch.Tensor, ids: torch.Tensor | None, native: torch.Tensor | None = None) -> torch.Tensor:
+        """The argmax choice of each position as a token id: (..., m) -> (...). With `native` (...) (the
+        engine's top-1, a full-vocabulary head only) a tie with the best score keeps the native: bf16
+        logits tie often, and argmax and top-k may break a tie differently."""
         j = scores.argmax(-1, keepdim=True)
-        return (j if ids is None else ids.gather(-1, j)).squeeze(-1)
+        picked = (j if ids is None else ids.gather(-1, j)).squeeze(-1)
+        if native is None or ids is not None:
+            return picked
+        at_native = scores.gather(-1, native[..., None]).squeeze(-1)
+        return torch.where(at_native >= scores.gather(-1, j).squeeze(-1), native, picked)
 
     def _forced(self, hidden, logits, anchor_ids, prefix_ids) -> Scored:
         """Teacher-forced pass, every position at once, flattened to (N, n, ·); prefix_ids (..., n)
@@ -226,7 +232,7 @@ class RepairHead(nn.Module):
         for i in range(n):
             context, state = self._context(prev, state)
             sigma, ids = self._score(hidden[:, i: i + 1], block.logits[:, i: i + 1], context)  # (b, 1, m)
-            tokens.append(self._pick(sigma, ids))  # (b, 1)
+            tokens.append(self._pick(sigma, ids, block.pool_ids[:, i: i + 1, 0]))  # (b, 1)
             scores.append(sigma[:, 0])
             prev = tokens[-1] if prefix_ids is None else prefix_ids[:, i: i + 1].clamp(min=0)
         tokens = torch.cat(tokens, dim=1)
@@ -274,7 +280,9 @@ class DFlash2Selector(RepairHead):
 
     def __init__(self, cfg: DFlash2Config):
         super().__init__(cfg)
-        self.predecessor = nn.Parameter(torch.randn(cfg.vocab_size, cfg.rank) * 0.02)  # P, N(0, 0.02) as in SpecForge
+        # P ~ N(0, 1), not SpecForge's N(0, 0.02): with S = 0 the score starts at s_i either way, but S's
+        # gradient is proportional to P, and at 0.02 a few hundred steps here never moved a choice
+        self.predecessor = nn.Parameter(torch.randn(cfg.vocab_size, cfg.rank))  # P
         # S starts at zero: σ = s_i, the native ranking. That also zeroes the first gradients of P and
         # W_h (each is multiplied by S), so S alone moves at the first step (as in SpecForge).
         self.successor = nn.Parameter(torch.zeros(cfg.vocab_size, cfg.rank))  # S
@@ -289,7 +297,7 @@ class DFlash2Selector(RepairHead):
         pool_ids, pool_logprobs = candidate_pool(logits, self.config.pool_size)  # (N, t, k)
         query = context * self.hidden_proj(hidden)  # (N, t, r): P[p] ⊙ W_h h_i
         bonus = torch.einsum("ntr,ntkr->ntk", query, self.successor[pool_ids])
-        return pool_logprobs.to(bonus.dtype) + bonus, pool_ids
+        return _wide(pool_logprobs) + _wide(bonus), pool_ids
 
     def _loss(self, out, labels, ce, gamma, progress):
         """ce + α · selector CE over the pool (target: the true token's pool index), at positions whose
@@ -333,7 +341,7 @@ class DominoHead(RepairHead):
 
     def _score(self, hidden, logits, context):
         residual = self.correction(torch.cat([hidden, context], dim=-1))  # (N, t, V)
-        return logits.to(residual.dtype) + residual, None
+        return _wide(logits) + _wide(residual), None  # not in bf16: its rounding would tie near-equal logits
 
     def _loss(self, out, labels, ce, gamma, progress):
         """(1-λ)·CE(z + Δ) + λ·CE(z), both position-weighted. At λ = 1 (the start) the head gets no
@@ -363,7 +371,7 @@ class DSparkHead(RepairHead):
 
     def _score(self, hidden, logits, context):
         bias = self.markov_out(context)  # (N, t, V): depends on the predecessor only
-        return logits.to(bias.dtype) + bias, None
+        return _wide(logits) + _wide(bias), None  # not in bf16: its rounding would tie near-equal logits
 
     def confidence_logits(self, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
         """hidden (..., H), context W1[prev] (..., r) -> logit that the corrected argmax is right (...)."""

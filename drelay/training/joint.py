@@ -4,9 +4,11 @@ causal selector under the joint loss (`drelay`: backbone, reader and selector in
 
 Fairness: both methods start from the same drafter, draw the same batches (same seed -> same anchors),
 run the same schedule for the same number of steps, and are scored the same way: held-out losses and
-replay statistics with the method's own repair (native top-1 for `dflash`, `relay.select` for `drelay`)
-next to the native and oracle τ. At the last step the drelay run picks its repair margin δ by held-out
-replay τ. The final weights go to <out_dir>/<method>/drafter (and <out_dir>/drelay/relay).
+replay statistics with the method's own repair (native top-1 for `dflash`, the head's `select` for the
+others) next to the native and oracle τ. The baselines of DESIGN §1.7 (`dflash2`, `domino`, `dspark`,
+drelay/models/heads.py) train the same way with their own joint losses. At the last step the drelay run
+picks its repair margin δ by held-out replay τ. The final weights go to <out_dir>/<method>/drafter and
+the head to <out_dir>/<method>/head (<out_dir>/drelay/relay for DRelay).
 Resumable like the trainer: <checkpoint_dir>/<method>/last.pt, written atomically.
 """
 
@@ -30,6 +32,7 @@ from drelay.config import JOINT_METHODS, JointConfig, TrainConfig
 from drelay.decoding.generate import Repair
 from drelay.decoding.replay import ORACLE, ReplayStats, replay
 from drelay.models.drafter import BlockDrafter
+from drelay.models.heads import RepairHead, load_head, make_head
 from drelay.models.relay import DRelay, candidate_pool
 from drelay.training.data import BlockBatch, make_batch
 from drelay.training.distill import Sequence
@@ -67,16 +70,52 @@ def make_relay(drafter: BlockDrafter, cfg: JointConfig, pool_size: int, seed: in
                                   residual=cfg.residual_score, bilinear_rank=cfg.bilinear_rank)
 
 
-def joint_loss(drafter: BlockDrafter, relay: DRelay | None, batch: BlockBatch, cfg: JointConfig, gamma: float,
-               pool_size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One batch's loss and its terms (detached): the DFlash CE alone (relay None) or `drelay_loss`,
-    with the pool taken from the detached logits and σ teacher-forced on the labels."""
+Head = DRelay | RepairHead  # what a method adds to the backbone (None: dflash, the backbone alone)
+HEAD_FOLDER = "head"  # <out_dir>/<method>/head for the baselines; DRelay keeps <out_dir>/drelay/relay
+
+
+def make_method_head(method: str, drafter: BlockDrafter, cfg: JointConfig, pool_size: int, seed: int) -> Head | None:
+    """A fresh head for `method` (None for dflash), its initial weights fixed by `seed`."""
+    if method == "dflash":
+        return None
+    if method == "drelay":
+        return make_relay(drafter, cfg, pool_size, seed)
+    settings = {"dflash2": dict(rank=cfg.dflash2_rank),
+                "domino": dict(gru_size=cfg.domino_gru_size, rank=cfg.domino_rank,
+                               anneal_fraction=cfg.domino_anneal_fraction),
+                "dspark": dict(rank=cfg.dspark_rank, lambda_conf=cfg.dspark_lambda_conf)}[method]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return make_head(method, drafter, pool_size, **settings)
+
+
+def head_folder(method: str) -> str:
+    return "relay" if method == "drelay" else HEAD_FOLDER
+
+
+def load_method_head(method: str, out_dir: str | Path, embed_tokens: torch.nn.Module) -> Head | None:
+    """The trained head of `method` saved under `out_dir` (<joint.out_dir>/<method>), bound to `embed_tokens`."""
+    if method == "dflash":
+        return None
+    path = Path(out_dir) / head_folder(method)
+    head = DRelay.load(path, embed_tokens) if method == "drelay" else load_head(method, path, embed_tokens)
+    return head.eval()
+
+
+def joint_loss(drafter: BlockDrafter, head: Head | None, batch: BlockBatch, cfg: JointConfig, gamma: float,
+               pool_size: int, progress: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One batch's loss and its terms (detached): the DFlash CE alone (head None), `drelay_loss` (the pool
+    taken from the detached logits, σ teacher-forced on the labels) or a baseline head's own joint loss
+    (`progress`, the share of training done, drives schedules such as Domino's λ)."""
     hidden = block_hidden(drafter, batch)  # (b, nA, B-1, H)
     with torch.autocast(batch.features.device.type, dtype=torch.bfloat16):
         logits = drafter.logits(hidden)  # (b, nA, B-1, V)
-        if relay is None:
+        if head is None:
             ce, _ = dflash_ce(logits, batch.labels, gamma)
             return ce, {"loss": ce.detach(), "ce": ce.detach()}
+        if isinstance(head, RepairHead):
+            return head.training_loss(hidden, logits, batch.labels, batch.anchor_ids, gamma=gamma, progress=progress)
+        relay = head
         pool_ids, pool_logprobs = candidate_pool(logits.detach(), pool_size)  # (b, nA, B-1, k)
         sigma, support = relay.score(hidden, pool_ids, pool_logprobs, batch.anchor_ids, batch.labels)
     return drelay_loss(logits, batch.labels, sigma, support, pool_ids, gamma=gamma,
@@ -117,27 +156,27 @@ def choose_margin(drafter: BlockDrafter, relay: DRelay, val: list[Sequence], mar
 
 
 @torch.no_grad()
-def evaluate_joint(drafter: BlockDrafter, relay: DRelay | None, val: list[Sequence], cfg: JointConfig,
+def evaluate_joint(drafter: BlockDrafter, head: Head | None, val: list[Sequence], cfg: JointConfig,
                    train_cfg: TrainConfig, pool_size: int, seed: int) -> dict[str, float]:
     """Held-out loss terms (val_*) on fixed anchors, replay statistics of the method's repair
     (replay_tau, replay_pool_hit, replay_replace_rate, replay_repair_precision, replay_harm_rate,
     replay_accept_pos<i>, ...), and the native and oracle τ of the same backbone."""
     rng, sums, batches = random.Random(seed), {}, 0
     B, device = drafter.config.block_size, drafter.fc.weight.device
-    with _eval_mode(drafter, relay):
+    with _eval_mode(drafter, head):
         for start in range(0, len(val), 8):
             batch = make_batch(val[start: start + 8], train_cfg.anchors_per_sequence, B, rng).to(device)
-            _, terms = joint_loss(drafter, relay, batch, cfg, train_cfg.gamma, pool_size)
+            _, terms = joint_loss(drafter, head, batch, cfg, train_cfg.gamma, pool_size)
             for name, value in terms.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
             batches += 1
         out = {f"val_{name}": total / batches for name, total in sums.items()}
         seqs = val[: cfg.replay_sequences]
-        out.update(replay_bf16(drafter, seqs, pool_size, relay.select if relay else None).summary("replay_"))
-        out["native_tau"] = replay_bf16(drafter, seqs, pool_size).tau if relay else out["replay_tau"]
+        out.update(replay_bf16(drafter, seqs, pool_size, head.select if head else None).summary("replay_"))
+        out["native_tau"] = replay_bf16(drafter, seqs, pool_size).tau if head else out["replay_tau"]
         out["oracle_tau"] = replay_bf16(drafter, seqs, pool_size, ORACLE).tau
-        if relay is not None:
-            out["margin"] = relay.config.margin
+        if isinstance(head, DRelay):
+            out["margin"] = head.config.margin
     return out
 
 
@@ -169,8 +208,9 @@ def train_joint(method: str, drafter: BlockDrafter, train: list[Sequence], val: 
     out_dir, ckpt_dir = Path(cfg.out_dir) / method, Path(cfg.checkpoint_dir) / method
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     state_hash = _state_hash(method, cfg, train_cfg, drafter, len(train), pool_size, seed)  # before any step
-    relay = make_relay(drafter, cfg, pool_size, seed) if method == "drelay" else None
-    modules = [m for m in (drafter, relay) if m is not None]
+    head = make_method_head(method, drafter, cfg, pool_size, seed)
+    relay = head if isinstance(head, DRelay) else None  # the one head with a repair margin δ
+    modules = [m for m in (drafter, head) if m is not None]
     groups = [{"params": [p for p in m.parameters() if p.requires_grad],
                "lr_scale": 1.0 if m is drafter else cfg.head_lr_scale} for m in modules]
     params = [p for group in groups for p in group["params"]]
@@ -183,8 +223,9 @@ def train_joint(method: str, drafter: BlockDrafter, train: list[Sequence], val: 
     ckpt = load_checkpoint(ckpt_path, state_hash)
     if ckpt is not None:
         drafter.load_state_dict(ckpt["drafter"])
+        if head is not None:
+            head.load_state_dict(ckpt["head"])
         if relay is not None:
-            relay.load_state_dict(ckpt["relay"])
             relay.config = dataclasses.replace(relay.config, margin=ckpt["margin"])
         optimizer.load_state_dict(ckpt["optimizer"])
         rng.setstate(ckpt["rng"])
@@ -193,18 +234,18 @@ def train_joint(method: str, drafter: BlockDrafter, train: list[Sequence], val: 
 
     def checkpoint() -> None:
         save_checkpoint(ckpt_path, {
-            "hash": state_hash, "drafter": drafter.state_dict(), "relay": relay.state_dict() if relay else None,
+            "hash": state_hash, "drafter": drafter.state_dict(), "head": head.state_dict() if head else None,
             "margin": relay.config.margin if relay else None, "optimizer": optimizer.state_dict(),
             "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "history": history,
             "margin_taus": margin_taus})
 
     def evaluation() -> None:
-        metrics = evaluate_joint(drafter, relay, val, cfg, train_cfg, pool_size, seed)
+        metrics = evaluate_joint(drafter, head, val, cfg, train_cfg, pool_size, seed)
         history.append({"step": step, **metrics})
         log(metrics, step)
 
     if step == 0:
-        evaluation()  # the shared starting point: identical for every method but the untrained relay
+        evaluation()  # the shared starting point: every head starts as the native top-1
     device = drafter.fc.weight.device
     for m in modules:
         m.train()
@@ -212,7 +253,7 @@ def train_joint(method: str, drafter: BlockDrafter, train: list[Sequence], val: 
     while step < cfg.extra_steps:
         t_step = time.perf_counter()
         batch = sample_batch(train, train_cfg, drafter.config.block_size, rng).to(device)
-        loss, terms = joint_loss(drafter, relay, batch, cfg, train_cfg.gamma, pool_size)
+        loss, terms = joint_loss(drafter, head, batch, cfg, train_cfg.gamma, pool_size, step / cfg.extra_steps)
         grad_norm = optimizer_step(optimizer, params, loss, lr_at(step, schedule), train_cfg.grad_clip)
         step += 1
         blocks_done += batch.anchors.numel()
@@ -236,7 +277,7 @@ def train_joint(method: str, drafter: BlockDrafter, train: list[Sequence], val: 
 
     shutil.rmtree(out_dir, ignore_errors=True)
     drafter.save(out_dir / "drafter")
-    if relay is not None:
-        relay.save(out_dir / "relay")
+    if head is not None:
+        head.save(out_dir / head_folder(method))
     return JointResult(method, step, resumed_from, relay.config.margin if relay else None, margin_taus,
                        blocks_done / train_seconds if train_seconds else 0.0, out_dir, history)
