@@ -57,7 +57,8 @@ def row(stats) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", default="params.yaml")
-    ap.add_argument("--benchmarks", nargs="+", default=["gsm8k", "humaneval", "mt_bench"])
+    ap.add_argument("--benchmarks", nargs="*", default=["gsm8k", "humaneval", "mt_bench"], help="none: only val")
+    ap.add_argument("--no-val", action="store_true", help="leave out the validation prompts")
     ap.add_argument("--samples", type=int, default=24, help="samples per benchmark (and val prompts)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--live-prompts", type=int, default=3, help="live-decoded prompts per set (0: none)")
@@ -76,7 +77,7 @@ def main() -> None:
     methods = {"dflash": ReplayMethod(dflash), "dflash+oracle": ReplayMethod(dflash, ORACLE),
                "drelay-native": ReplayMethod(drelay), "drelay": ReplayMethod(drelay, relay.select),
                "drelay+oracle": ReplayMethod(drelay, ORACLE)}
-    sets = {"val": val_samples(Path(p.data.out_dir) / "val.jsonl")[: args.samples]}
+    sets = {} if args.no_val else {"val": val_samples(Path(p.data.out_dir) / "val.jsonl")[: args.samples]}
     for name in args.benchmarks:
         sets[name] = load_benchmark(name, Path(p.data.mirror), args.samples)
 
