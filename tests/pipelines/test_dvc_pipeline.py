@@ -16,8 +16,10 @@ import yaml
 
 from pipelines.common import REPO_ROOT
 
-STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash", "train@dflash", "train@drelay")
-METRICS = {"train@dflash": "joint_dflash", "train@drelay": "joint_drelay"}  # the metrics file of a stage
+HEADS = ("dflash2", "domino", "dspark")
+STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash", "train@dflash", "train@drelay",
+          *(f"train@{head}" for head in HEADS))
+METRICS = {s: f"joint_{s[6:]}" for s in STAGES if s.startswith("train@")}  # the metrics file of a stage
 pytestmark = pytest.mark.slow
 
 
@@ -83,6 +85,7 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
                  "data/distilled/manifest.json", "models/drafter/model.safetensors", "reports/train_dflash.png",
                  "models/joint/dflash/drafter/model.safetensors", "models/joint/drelay/drafter/model.safetensors",
                  "models/joint/drelay/relay/model.safetensors", "reports/joint_drelay.png",
+                 *(f"models/joint/{head}/head/model.safetensors" for head in HEADS),
                  *(f"metrics/{METRICS.get(s, s)}.json" for s in STAGES)):
         assert (repo / path).is_file(), path
     trained = json.loads((repo / "metrics/train_dflash.json").read_text())
@@ -109,6 +112,12 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
             for i in (1, 2, 3)} <= logged
     assert {"native_tau", "oracle_tau", "margin_tau_0", "margin_tau_1", "live_tau", "live_repair_share"} <= logged
     assert drelay["live_identical_rate"] == 1.0 and runs["train@drelay"][0].data.tags["method"] == "drelay"
+    for head in HEADS:  # the baselines: same start and budget, their own loss terms logged
+        m = json.loads((repo / f"metrics/joint_{head}.json").read_text())
+        assert m["steps"] == 12 and m["start_native_tau"] == dflash["start_native_tau"]
+        assert m["live_identical_rate"] == 1.0
+        assert {"train_loss", "train_ce", "train_acc", "train_native_acc", "replay_tau",
+                "replay_replace_rate_pos1"} <= set(runs[f"train@{head}"][0].data.metrics)
 
     log = _dvc(repo, env, "repro")  # nothing changed: nothing runs
     assert "Running stage" not in log, log
@@ -145,8 +154,8 @@ def test_bad_key_and_missing_mirror_are_clear_errors(smoke_repo, env, tmp_path):
     out = _stage(smoke_repo, env, "train", "--method", "drelay", "--set", f"train.out_dir={tmp_path / 'none'}")
     assert out.returncode == 2 and str(tmp_path / "none") in out.stderr and "train_dflash stage" in out.stderr
     assert "Traceback" not in out.stderr
-    out = _stage(smoke_repo, env, "train", "--method", "domino")
-    assert out.returncode == 2 and "invalid choice: 'domino'" in out.stderr
+    out = _stage(smoke_repo, env, "train", "--method", "medusa")
+    assert out.returncode == 2 and "invalid choice: 'medusa'" in out.stderr
 
 
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
