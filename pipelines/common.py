@@ -90,13 +90,14 @@ def write_metrics(stage: str, metrics: dict, root: str | Path = Path(".")) -> Pa
 
 
 def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None,
-               options: dict[str, dict] | None = None) -> Any:
+               options: dict[str, dict] | None = None, precheck: Callable[..., None] | None = None) -> Any:
     """The `__main__` of a stage: `python -m pipelines.<stage> [--params P] [--set s.k=v ...]`.
 
     `options`: the stage's own flags, {name: argparse keyword arguments}, passed to the flow as
     keyword arguments (e.g. {"method": dict(required=True, choices=...)} -> `--method drelay`).
     The params file and overrides are validated before the flow starts, so a typo is one
-    `error: ...` line and exit code 2 (no traceback, no Prefect server start-up).
+    `error: ...` line and exit code 2 (no traceback, no Prefect server start-up); so are the stage's
+    inputs when it gives `precheck(params, **options)`, which raises FileNotFoundError naming what is missing.
     """
     parser = argparse.ArgumentParser(description=(flow_fn.__doc__ or "").strip().split("\n")[0])
     parser.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
@@ -107,7 +108,9 @@ def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None,
     args = parser.parse_args(argv)
     extra = {name: getattr(args, name) for name in options or {}}
     try:
-        load_params(args.params, args.overrides)
+        params = load_params(args.params, args.overrides)
+        if precheck is not None:
+            precheck(params, **extra)
         return flow_fn(params_path=args.params, overrides=args.overrides, **extra)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -164,6 +164,16 @@ def train_flow(params_path: str = "params.yaml", overrides: list[str] | None = N
     return metrics
 
 
+def require_inputs(params, method: str) -> None:
+    """The trained drafter and the distilled data this stage starts from, checked before Prefect starts."""
+    needed = {Path(params.train.out_dir) / "config.json": "the train_dflash stage makes it",
+              Path(params.distill.out_dir) / "manifest.json": "the distill stage makes it"}
+    for path, maker in needed.items():
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing ({maker}): needed by {stage_name(method)}")
+
+
 if __name__ == "__main__":
     stage_main(train_flow, options={"method": dict(required=True, choices=JOINT_METHODS,
-                                                   help="the head to train (joint.methods lists the stages)")})
+                                                   help="the head to train (joint.methods lists the stages)")},
+               precheck=require_inputs)

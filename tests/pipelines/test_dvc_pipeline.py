@@ -104,7 +104,7 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     dflash, drelay = (json.loads((repo / f"metrics/joint_{m}.json").read_text()) for m in ("dflash", "drelay"))
     assert dflash["steps"] == drelay["steps"] == 12 and dflash["start_native_tau"] == drelay["start_native_tau"]
     relay_config = json.loads((repo / "models/joint/drelay/relay/config.json").read_text())
-    assert relay_config["margin"] == drelay["margin"] and str(drelay["margin"]) in str(drelay["margin_taus"])
+    assert relay_config["margin"] == drelay["margin"] and f"{drelay['margin']:g}" in drelay["margin_taus"]
     logged = set(runs["train@drelay"][0].data.metrics)
     terms = ("loss", "ce", "support", "hinge", "reader_bce", "repair")
     assert {f"{split}_{t}" for split in ("train", "val") for t in terms} <= logged

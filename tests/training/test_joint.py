@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from drelay.config import ConfigError, JointConfig, TrainConfig, load_section
+from drelay.config import JOINT_METHODS, ConfigError, JointConfig, TrainConfig, load_section
 from drelay.decoding.replay import replay
 from drelay.models.drafter import BlockDrafter
 from drelay.models.relay import DRelay
@@ -234,7 +234,7 @@ def test_a_killed_joint_run_resumes_and_ends_where_an_uninterrupted_one_does(set
 @pytest.mark.parametrize("params", ["params.yaml", "profiles/smoke.yaml", "profiles/qwen3-8b.yaml"])
 def test_every_profile_has_a_valid_joint_section(params):
     cfg = load_section(ROOT / params, "joint")
-    assert set(cfg.methods) == {"dflash", "drelay"} and cfg.extra_steps >= 1 and 0.0 in cfg.margins
+    assert set(cfg.methods) == set(JOINT_METHODS) and cfg.extra_steps >= 1 and 0.0 in cfg.margins
 
 
 @pytest.mark.parametrize(("text", "message"), [
