@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drelay.models.folder import load_folder, save_folder
-from drelay.models.relay import candidate_pool
+from drelay.models.relay import _SharedEmbedding, candidate_pool  # the embedding held by reference, never saved
 from drelay.training.data import IGNORE
 from drelay.training.losses import dflash_ce, pool_index, position_weights
 
@@ -99,13 +99,6 @@ class DSparkConfig(HeadConfig):
         super().__post_init__()
         _check_positive(self, "rank")
         _check_nonnegative(self, "lambda_conf")
-
-
-@dataclass
-class _SharedEmbedding:
-    """The target's frozen input embedding, held by reference (never saved with a head)."""
-
-    embed_tokens: nn.Module
 
 
 class Scored(NamedTuple):

@@ -83,27 +83,29 @@ def setup(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(setup, tmp_path_factory):
     """One run per method from the same start, recording the batches drawn and everything logged."""
-    target, train, val, train_cfg, start = setup
     tmp = tmp_path_factory.mktemp("runs")
-    out = {}
-    for method in ("dflash", "drelay"):
-        anchors, logs = [], []
-        real = joint.sample_batch
+    return {method: {**_recorded_run(setup, method, _cfg(tmp)), "tmp": tmp} for method in ("dflash", "drelay")}
 
-        def recording(*args, **kwargs):
-            batch = real(*args, **kwargs)
-            anchors.append(batch.anchors.clone())
-            return batch
 
-        joint.sample_batch = recording
-        try:
-            drafter = start()
-            result = train_joint(method, drafter, train, val, _cfg(tmp), train_cfg, pool_size=POOL, seed=0,
-                                 log=lambda metrics, step: logs.append((step, dict(metrics))))
-        finally:
-            joint.sample_batch = real
-        out[method] = dict(result=result, drafter=drafter, anchors=anchors, logs=logs, tmp=tmp)
-    return out
+def _recorded_run(setup, method: str, cfg: JointConfig) -> dict:
+    """One joint run from the shared start, with the anchors of every batch drawn and everything logged."""
+    _, train, val, train_cfg, start = setup
+    anchors, logs = [], []
+    real = joint.sample_batch
+
+    def recording(*args, **kwargs):
+        batch = real(*args, **kwargs)
+        anchors.append(batch.anchors.clone())
+        return batch
+
+    joint.sample_batch = recording
+    try:
+        drafter = start()
+        result = train_joint(method, drafter, train, val, cfg, train_cfg, pool_size=POOL, seed=0,
+                             log=lambda metrics, step: logs.append((step, dict(metrics))))
+    finally:
+        joint.sample_batch = real
+    return dict(result=result, drafter=drafter, anchors=anchors, logs=logs)
 
 
 def test_both_methods_start_alike_draw_the_same_batches_and_get_the_same_budget(runs):
@@ -265,21 +267,8 @@ def test_baseline_heads_train_under_the_same_rule_and_are_saved(setup, runs, met
     target, train, val, train_cfg, start = setup
     cfg = _cfg(tmp_path, extra_steps=60, eval_every=60, checkpoint_every=60, head_lr_scale=10.0, dflash2_rank=8,
                domino_gru_size=16, domino_rank=16, dspark_rank=16)
-    anchors, logs = [], []
-    real = joint.sample_batch
-
-    def recording(*args, **kwargs):
-        batch = real(*args, **kwargs)
-        anchors.append(batch.anchors.clone())
-        return batch
-
-    joint.sample_batch = recording
-    try:
-        drafter = start()
-        result = train_joint(method, drafter, train, val, cfg, train_cfg, pool_size=POOL, seed=0,
-                             log=lambda metrics, step: logs.append((step, dict(metrics))))
-    finally:
-        joint.sample_batch = real
+    run = _recorded_run(setup, method, cfg)
+    result, drafter, anchors, logs = run["result"], run["drafter"], run["anchors"], run["logs"]
     dflash = runs["dflash"]
     assert result.steps == 60 and all(torch.equal(a, b) for a, b in zip(anchors, dflash["anchors"]))  # same batches
     start_eval, final = result.history[0], result.final
