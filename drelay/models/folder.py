@@ -7,7 +7,7 @@ corrupt config or truncated weights.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from safetensors.torch import load_file, save_file
@@ -40,3 +40,34 @@ def load_folder(path: str | Path, module_cls, config_cls, error_cls: type[Except
     except Exception as err:  # safetensors raises several types for a truncated or missing file
         raise error_cls(f"cannot read {what} weights {path / WEIGHTS_NAME}: {err}") from err
     return module.eval()
+
+
+@dataclass
+class SharedEmbedding:
+    """The target's frozen input embedding, held by reference (never saved with a head)."""
+
+    embed_tokens: nn.Module
+
+
+class EmbeddingBoundFolder:
+    """Save/load for a repair head (an nn.Module) bound to the target's embedding by `attach`.
+    A subclass sets `config_cls` and `folder_error` and names itself in `folder_what()`."""
+
+    config_cls: type
+    folder_error: type[Exception] = RuntimeError
+
+    @classmethod
+    def folder_what(cls) -> str:
+        return cls.__name__
+
+    def save(self, path: str | Path) -> Path:
+        return save_folder(self, self.config, path)
+
+    @classmethod
+    def load(cls, path: str | Path, embed_tokens: nn.Module | None = None):
+        """Load a saved head; with `embed_tokens` it moves to that embedding's device/dtype and binds it."""
+        module = load_folder(path, cls, cls.config_cls, cls.folder_error, cls.folder_what())
+        if embed_tokens is None:
+            return module
+        w = embed_tokens.weight
+        return module.to(device=w.device, dtype=w.dtype).attach(embed_tokens)

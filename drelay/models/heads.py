@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drelay.models.folder import load_folder, save_folder
-from drelay.models.relay import _SharedEmbedding, candidate_pool  # the embedding held by reference, never saved
+from drelay.models.folder import EmbeddingBoundFolder, SharedEmbedding
+from drelay.models.relay import candidate_pool
 from drelay.training.data import IGNORE
 from drelay.training.losses import dflash_ce, pool_index, position_weights
 
@@ -116,17 +116,18 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-class RepairHead(nn.Module):
+class RepairHead(EmbeddingBoundFolder, nn.Module):
     """What the three heads share: construction, save/load, the parallel teacher-forced pass, the
     sequential repair loop and the loss skeleton. A subclass defines `_context`, `_score`, `_loss`."""
 
     kind = ""
     config_cls: type[HeadConfig] = HeadConfig
+    folder_error = HeadError
 
     def __init__(self, cfg: HeadConfig):
         super().__init__()
         self.config = cfg
-        self.shared: _SharedEmbedding | None = None
+        self.shared: SharedEmbedding | None = None
 
     # ------------------------------------------------------------------ construction, save, load
     @classmethod
@@ -146,20 +147,12 @@ class RepairHead(nn.Module):
         if shape != (cfg.vocab_size, cfg.hidden_size):
             raise HeadError(f"embedding of shape {shape} does not fit the {self.kind} head's "
                             f"vocab_size x hidden_size = {cfg.vocab_size} x {cfg.hidden_size}")
-        self.shared = _SharedEmbedding(embed_tokens)
+        self.shared = SharedEmbedding(embed_tokens)
         return self
 
-    def save(self, path: str | Path) -> Path:
-        return save_folder(self, self.config, path)
-
     @classmethod
-    def load(cls, path: str | Path, embed_tokens: nn.Module | None = None) -> "RepairHead":
-        """Load a saved head; with `embed_tokens` it moves to that embedding's device/dtype and binds it."""
-        head = load_folder(path, cls, cls.config_cls, HeadError, f"{cls.kind} head")
-        if embed_tokens is None:
-            return head
-        w = embed_tokens.weight
-        return head.to(device=w.device, dtype=w.dtype).attach(embed_tokens)
+    def folder_what(cls) -> str:
+        return f"{cls.kind} head"
 
     @property
     def dtype(self) -> torch.dtype:

@@ -21,14 +21,13 @@ The low-rank bilinear term lets a candidate and the chosen prefix interact direc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drelay.models.folder import load_folder, save_folder
+from drelay.models.folder import EmbeddingBoundFolder, SharedEmbedding
 
 if TYPE_CHECKING:  # generate.py may import candidate_pool from here
     from drelay.decoding.generate import DraftBlock
@@ -194,18 +193,20 @@ class CausalSelector(nn.Module):
 class _GRUStepper:
     """nn.GRU's update, h' = (1 - z) * n + z * h with r, z = σ(W_i x + b_i + W_h h + b_h) and
     n = tanh(W_in x + b_in + r * (W_hn h + b_hn)), unrolled by hand so that W_i x is computed once for
-    all candidates. Called with x = the prefix input (the anchor's, first) or, later, a row of
-    `input_gates`; returns (LayerNorm(h'), h') like `prefix_states`."""
+    all candidates. Called with the input gates W_i x + b_i of the token fed (a row of `input_gates`,
+    or `gates(anchor input)` first); returns (LayerNorm(h'), h') like `prefix_states`."""
 
     def __init__(self, selector: CausalSelector, candidate_inputs: torch.Tensor):
         gru = selector.prefix
         self.w_ih, self.w_hh, self.b_ih, self.b_hh = gru.weight_ih_l0, gru.weight_hh_l0, gru.bias_ih_l0, gru.bias_hh_l0
         self.norm = selector.prefix_norm
-        self.input_gates = F.linear(candidate_inputs, self.w_ih, self.b_ih)  # (b, n, k, 3d)
         self.width = self.w_hh.shape[1]
+        self.input_gates = self.gates(candidate_inputs)  # (b, n, k, 3d)
 
-    def __call__(self, x: torch.Tensor, state: torch.Tensor | None):
-        gi = x if x.shape[-1] == 3 * self.width else F.linear(x, self.w_ih, self.b_ih)  # (b, 1, 3d)
+    def gates(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.w_ih, self.b_ih)  # (..., 3d)
+
+    def __call__(self, gi: torch.Tensor, state: torch.Tensor | None):
         h = torch.zeros_like(gi[..., : self.width]) if state is None else state  # (b, 1, d)
         gh = F.linear(h, self.w_hh, self.b_hh)
         i_r, i_z, i_n = gi.chunk(3, -1)
@@ -215,22 +216,17 @@ class _GRUStepper:
         return self.norm(h), h
 
 
-@dataclass
-class _SharedEmbedding:
-    """The target's frozen input embedding, held by reference (never saved with the relay)."""
-
-    embed_tokens: nn.Module
-
-
-class DRelay(nn.Module):
+class DRelay(EmbeddingBoundFolder, nn.Module):
     """Reader + selector. `score`: teacher-forced training pass; `select` / `__call__`: the repair hook."""
+
+    config_cls, folder_error = RelayConfig, RelayError
 
     def __init__(self, cfg: RelayConfig):
         super().__init__()
         self.config = cfg
         self.reader = GlobalReader(cfg)
         self.selector = CausalSelector(cfg)
-        self.shared: _SharedEmbedding | None = None
+        self.shared: SharedEmbedding | None = None
 
     @classmethod
     def for_drafter(cls, drafter, **kwargs) -> "DRelay":
@@ -243,20 +239,12 @@ class DRelay(nn.Module):
         width = embed_tokens.weight.shape[-1]
         if width != self.config.hidden_size:
             raise RelayError(f"embedding width {width} != relay hidden_size {self.config.hidden_size}")
-        self.shared = _SharedEmbedding(embed_tokens)
+        self.shared = SharedEmbedding(embed_tokens)
         return self
 
-    def save(self, path: str | Path) -> Path:
-        return save_folder(self, self.config, path)
-
     @classmethod
-    def load(cls, path: str | Path, embed_tokens: nn.Module | None = None) -> "DRelay":
-        """Load a saved relay; with `embed_tokens` it moves to that embedding's device/dtype and binds it."""
-        relay = load_folder(path, cls, RelayConfig, RelayError, "relay")
-        if embed_tokens is None:
-            return relay
-        w = embed_tokens.weight
-        return relay.to(device=w.device, dtype=w.dtype).attach(embed_tokens)
+    def folder_what(cls) -> str:
+        return "relay"
 
     # ------------------------------------------------------------------------------ computation
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -315,6 +303,8 @@ class DRelay(nn.Module):
         chosen_inputs = sel.prefix_inputs(self.embed(pool_ids), g, torch.ones_like(pool_ids, dtype=torch.bool))
         x, state = sel.prefix_inputs(self.embed(block.anchor_ids[:, None])), None  # (b, 1, d)
         step = sel.gru_stepper(chosen_inputs) if sel.kind == "gru" and prefix_ids is None else None
+        if step is not None:
+            x = step.gates(x)  # the stepper is fed input gates throughout
         tokens, scores = [], []
         for i in range(n):
             r, state = sel.prefix_states(x, state) if step is None else step(x, state)  # (b, 1, d)
