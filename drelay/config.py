@@ -248,6 +248,56 @@ class JointConfig:
         _require(bool(self.checkpoint_dir), "checkpoint_dir", "a non-empty string", self.checkpoint_dir)
 
 
+EVAL_METHODS = ("ar", *JOINT_METHODS, "oracle")  # ar: the target alone; oracle: the true token when in the pool
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """The evaluate stage (DESIGN §1.8, §3): benchmarks x methods x temperatures. τ and the repair
+    statistics come from replay along one target continuation per prompt (many samples); speedup,
+    tokens/s and the identical-output check from live decoding against AR (a few samples).
+
+    Per-benchmark settings are mappings {benchmark: value} with an optional `default` entry."""
+
+    benchmarks: tuple[str, ...] = BENCHMARKS  # which of the eight
+    methods: tuple[str, ...] = ("ar", "dflash", "dflash2", "domino", "dspark", "drelay", "oracle")
+    temperatures: tuple[float, ...] = (0.0, 1.0)
+    samples: dict[str, int] = field(default_factory=lambda: {"default": 16})  # replayed samples per benchmark
+    max_new_tokens: dict[str, int] = field(default_factory=lambda: {"default": 256})  # per replayed continuation
+    live_samples: dict[str, int] = field(default_factory=lambda: {"default": 2})  # of those, decoded live
+    live_max_new_tokens: int = 128  # per live-decoded prompt
+    oracle_drafter: str = "dflash"  # the trained method whose pool the oracle picks from
+    batch_size: int = 16  # prompts per batch when the target writes its continuations
+    out_dir: str = "data/eval"  # continuations and finished cells (what a resumed run reuses)
+
+    def __post_init__(self) -> None:
+        distinct = lambda values: len(values) >= 1 and len(set(values)) == len(values)  # noqa: E731
+        ok = distinct(self.benchmarks) and set(self.benchmarks) <= set(BENCHMARKS)
+        _require(ok, "benchmarks", f"a non-empty list of distinct names from {', '.join(BENCHMARKS)}", self.benchmarks)
+        ok = distinct(self.methods) and set(self.methods) <= set(EVAL_METHODS)
+        _require(ok, "methods", f"a non-empty list of distinct names from {', '.join(EVAL_METHODS)}", self.methods)
+        ok = distinct(self.temperatures) and all(t >= 0 for t in self.temperatures)
+        _require(ok, "temperatures", "a non-empty list of distinct values >= 0", self.temperatures)
+        for key, low in (("samples", 1), ("max_new_tokens", 1), ("live_samples", 0)):
+            table = getattr(self, key)
+            for name, value in table.items():
+                _require(name in BENCHMARKS or name == "default", key,
+                         f"a mapping from benchmark names ({', '.join(BENCHMARKS)}) or 'default'", name)
+                _require(value >= low, f"{key}.{name}", f">= {low}", value)
+            missing = [b for b in self.benchmarks if b not in table and "default" not in table]
+            _require(not missing, key, "set for every benchmark (or a 'default' entry)", table)
+        _require(self.live_max_new_tokens >= 1, "live_max_new_tokens", ">= 1", self.live_max_new_tokens)
+        _require(self.oracle_drafter in JOINT_METHODS, "oracle_drafter", f"one of {', '.join(JOINT_METHODS)}",
+                 self.oracle_drafter)
+        _require(self.batch_size >= 1, "batch_size", ">= 1", self.batch_size)
+        _require(bool(self.out_dir), "out_dir", "a non-empty string", self.out_dir)
+
+    def per_benchmark(self, key: str, benchmark: str) -> int:
+        """samples / max_new_tokens / live_samples for one benchmark (its entry, else `default`)."""
+        table = getattr(self, key)
+        return table[benchmark] if benchmark in table else table["default"]
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """Scheduled retraining: a Prefect deployment that re-runs `dvc repro`."""
@@ -273,6 +323,7 @@ class Params:
     distill: DistillConfig = field(default_factory=DistillConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     joint: JointConfig = field(default_factory=JointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
@@ -295,11 +346,13 @@ def _type_name(tp: Any) -> str:
         return " | ".join("None" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is tuple:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
+    if typing.get_origin(tp) is dict:
+        return f"mapping of {_type_name(typing.get_args(tp)[1])}"
     return tp.__name__
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    """`value` checked against annotation `tp`: str, int, float, bool, X | None, tuple[X, ...]."""
+    """`value` checked against annotation `tp`: str, int, float, bool, X | None, tuple[X, ...], dict[str, X]."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin in (typing.Union, types.UnionType):
         inner = [a for a in args if a is not type(None)]
@@ -313,6 +366,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     elif origin is tuple:  # tuple[X, ...] is a YAML list
         if isinstance(value, list):
             return tuple(_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+    elif origin is dict:  # dict[str, X] is a YAML mapping
+        if isinstance(value, dict):
+            return {_coerce(k, args[0], f"{where} key"): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
     elif tp is float and type(value) is int:
         return float(value)
     elif isinstance(value, tp) and (tp is bool or not isinstance(value, bool)):  # bool is an int

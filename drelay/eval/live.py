@@ -2,22 +2,28 @@
 identical-output check, and where a step's wall time goes (draft / repair / verify).
 
 At T=0 in low precision a method's output may part from AR's at a near-tie of the target's top-2
-logits (counted); any other divergence is an engine bug and raises `LosslessnessError`.
+logits (counted); any other divergence is an engine bug and raises `LosslessnessError`. At T > 0
+every method samples with its own generator seeded like AR's; outputs are not compared (they are
+equal in distribution, not token for token).
+
+The oracle (`ORACLE`) runs live at T=0 only: it knows AR's greedy output of
+the same prompt and picks that token whenever it is in the pool, at no repair cost.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable
 
+import torch
 from tqdm import tqdm
 
 from drelay.decoding.check import compare_to_ar
-from drelay.decoding.generate import GenerationStats, Repair, ar_generate, speculative_generate
+from drelay.decoding.generate import DraftBlock, Repair, ar_generate, speculative_generate
+from drelay.decoding.replay import ORACLE
 from drelay.models.drafter import BlockDrafter
 from drelay.models.target import Target
-
 
 class LosslessnessError(RuntimeError):
     """A T=0 output that diverged from AR decoding where rounding cannot explain it."""
@@ -25,56 +31,98 @@ class LosslessnessError(RuntimeError):
 
 @dataclass
 class LiveMethod:
-    """One method of a live comparison: its drafter and its repair hook (None: the native top-1)."""
+    """One method of a live comparison: its drafter and its repair hook (None: the native top-1;
+    ORACLE: the true token when it is in the pool, T=0 only)."""
 
     drafter: BlockDrafter
-    repair: Repair | None = None
+    repair: Repair | str | None = None
 
 
-@dataclass
-class _Tally:
-    stats: list[GenerationStats] = field(default_factory=list)
-    identical: int = 0
-    near_ties: int = 0
+def oracle_hook(prompt_len: int, reference: list[int]) -> Repair:
+    """A repair hook that knows the target's output `reference` (new tokens after a prompt of
+    `prompt_len`) and picks its token wherever it is in the pool; past its end, the native top-1."""
+    ref = torch.tensor(reference, dtype=torch.long)
 
-    def summary(self, ar_tokens_per_s: float) -> dict[str, float]:
-        s = self.stats
-        step_s = sum(x.draft_s + x.repair_s + x.verify_s for x in s) or 1.0
-        tps = statistics.mean(x.tokens_per_s for x in s)
-        return {"live_tau": statistics.mean(x.tau for x in s), "live_tokens_per_s": tps,
-                "live_speedup": tps / ar_tokens_per_s if ar_tokens_per_s else 0.0,
-                "live_identical_rate": self.identical / len(s), "live_near_tie_divergences": self.near_ties,
-                "live_draft_share": sum(x.draft_s for x in s) / step_s,
-                "live_repair_share": sum(x.repair_s for x in s) / step_s,
-                "live_verify_share": sum(x.verify_s for x in s) / step_s,
-                "live_steps": sum(x.steps for x in s), "live_prompts": len(s)}
+    def pick(block: DraftBlock) -> torch.Tensor:
+        native = block.pool_ids[..., 0]
+        n = native.shape[1]
+        index = block.anchor_pos[:, None].cpu() + 1 + torch.arange(n) - prompt_len  # new-token index of draft i
+        known = (index >= 0) & (index < len(ref))
+        truth = torch.where(known, ref[index.clamp(0, max(len(ref) - 1, 0))], -1).to(native.device)
+        in_pool = (block.pool_ids == truth[..., None]).any(-1)
+        return torch.where(in_pool, truth, native)
+
+    return pick
 
 
-def live_compare(target: Target, methods: dict[str, LiveMethod], prompts: Iterable[list[int]], max_new_tokens: int,
-                 pool_size: int = 8, desc: str = "live decoding") -> dict[str, dict[str, float]]:
-    """Greedy AR and every method on each prompt (token ids), one after the other, so all see the
-    same machine state. Returns {method: metrics} with `ar_tokens_per_s` in each; {} for no prompts.
+def live_prompt(target: Target, methods: dict[str, LiveMethod], prompt_ids: list[int], max_new_tokens: int,
+                pool_size: int = 8, temperature: float = 0.0, seed: int = 0,
+                sampling_rule: str = "residual") -> dict[str, dict]:
+    """AR, then every method, on one prompt. Returns {"ar": {...}, method: {...}} of plain numbers:
+    tokens/s, τ, step-time split and (T=0) the identical-output check with its divergence, if any."""
+    stop = target.stop_token_ids()
+
+    def generator() -> torch.Generator | None:
+        return torch.Generator(device=target.device).manual_seed(seed) if temperature > 0 else None
+
+    ar = ar_generate(target, prompt_ids, max_new_tokens, temperature, stop_token_ids=stop, generator=generator())
+    out = {"ar": {"tokens_per_s": ar.stats.tokens_per_s, "new_tokens": ar.stats.new_tokens, "wall_s": ar.stats.wall_s}}
+    for name, method in methods.items():
+        repair = method.repair
+        if repair == ORACLE:
+            if temperature > 0:
+                raise ValueError("the live oracle needs T=0 (it reads the target's greedy output)")
+            repair = oracle_hook(len(prompt_ids), ar.tokens)
+        res = speculative_generate(target, method.drafter, prompt_ids, max_new_tokens, repair=repair,
+                                   temperature=temperature, pool_size=pool_size, stop_token_ids=stop,
+                                   sampling_rule=sampling_rule, generator=generator())
+        s = res.stats
+        record = {"tau": s.tau, "tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens, "wall_s": s.wall_s,
+                  "steps": s.steps, "draft_s": s.draft_s, "repair_s": s.repair_s, "verify_s": s.verify_s}
+        if temperature == 0:
+            report = compare_to_ar(target, prompt_ids, ar.tokens, res.tokens)
+            if report.is_bug:
+                raise LosslessnessError(f"{name}: output diverged from AR decoding without a near-tie: "
+                                        f"{report.describe()}")
+            record |= {"identical": report.identical, "near_tie": bool(report.near_tie),
+                       "divergence": report.describe() if not report.identical else None}
+        out[name] = record
+    return out
+
+
+def summarize_live(records: list[dict[str, dict]]) -> dict[str, dict[str, float]]:
+    """Per-prompt records of `live_prompt` -> {method: metrics}, `ar_tokens_per_s` in each.
 
     Speedup is mean tokens/s of the method over mean tokens/s of AR on the same prompts. A step's time
     splits into draft (drafter forward + pool), repair (the method's hook) and verify (target forward
     + acceptance + cache bookkeeping): `live_repair_share` is the selector's share of a step."""
-    stop = target.stop_token_ids()
-    tallies, ar_tps = {name: _Tally() for name in methods}, []
-    for ids in tqdm(list(prompts), desc=desc, unit="prompt", dynamic_ncols=True):
-        ar = ar_generate(target, ids, max_new_tokens, stop_token_ids=stop)
-        ar_tps.append(ar.stats.tokens_per_s)
-        for name, method in methods.items():
-            out = speculative_generate(target, method.drafter, ids, max_new_tokens, stop_token_ids=stop,
-                                       repair=method.repair, pool_size=pool_size)
-            report = compare_to_ar(target, ids, ar.tokens, out.tokens)
-            if report.is_bug:
-                raise LosslessnessError(f"{name}: output diverged from AR decoding without a near-tie: "
-                                        f"{report.describe()}")
-            tally = tallies[name]
-            tally.stats.append(out.stats)
-            tally.identical += report.identical
-            tally.near_ties += bool(report.near_tie)
-    if not ar_tps:
+    if not records:
         return {}
-    ar_mean = statistics.mean(ar_tps)
-    return {name: {**tally.summary(ar_mean), "ar_tokens_per_s": ar_mean} for name, tally in tallies.items()}
+    ar_mean = statistics.mean(r["ar"]["tokens_per_s"] for r in records)
+    out = {}
+    for name in (n for n in records[0] if n != "ar"):
+        rows = [r[name] for r in records]
+        step_s = sum(x["draft_s"] + x["repair_s"] + x["verify_s"] for x in rows) or 1.0
+        tps = statistics.mean(x["tokens_per_s"] for x in rows)
+        summary = {"live_tau": statistics.mean(x["tau"] for x in rows), "live_tokens_per_s": tps,
+                   "live_speedup": tps / ar_mean if ar_mean else 0.0,
+                   "live_draft_share": sum(x["draft_s"] for x in rows) / step_s,
+                   "live_repair_share": sum(x["repair_s"] for x in rows) / step_s,
+                   "live_verify_share": sum(x["verify_s"] for x in rows) / step_s,
+                   "live_steps": sum(x["steps"] for x in rows), "live_prompts": len(rows),
+                   "ar_tokens_per_s": ar_mean}
+        if "identical" in rows[0]:
+            summary |= {"live_identical_rate": sum(x["identical"] for x in rows) / len(rows),
+                        "live_near_tie_divergences": sum(x["near_tie"] for x in rows)}
+        out[name] = summary
+    return out
+
+
+def live_compare(target: Target, methods: dict[str, LiveMethod], prompts: Iterable[list[int]], max_new_tokens: int,
+                 pool_size: int = 8, desc: str = "live decoding", temperature: float = 0.0,
+                 seed: int = 0) -> dict[str, dict[str, float]]:
+    """`live_prompt` on each prompt (token ids), one after the other, so all methods see the same
+    machine state; `summarize_live` of the lot. {} for no prompts."""
+    records = [live_prompt(target, methods, ids, max_new_tokens, pool_size, temperature, seed + i)
+               for i, ids in enumerate(tqdm(list(prompts), desc=desc, unit="prompt", dynamic_ncols=True))]
+    return summarize_live(records)

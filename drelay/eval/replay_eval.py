@@ -33,11 +33,12 @@ class ReplayMethod:
 
 
 def continuations(target: Target, samples: list[BenchmarkSample], out_dir: str | Path, *, max_new_tokens: int,
-                  max_prompt_tokens: int, batch_size: int = 16, turns: int | None = None,
-                  progress: Callable[[int, int], None] | None = None) -> list[Sequence]:
-    """The target's greedy continuation of every turn of every sample (turn t+1 follows the target's own
-    answer to turn t), with context features for the layers `target` captures. Prompts longer than
-    `max_prompt_tokens` are skipped. Returns turn 1 of every kept sample, then turn 2, ..."""
+                  max_prompt_tokens: int, batch_size: int = 16, turns: int | None = None, temperature: float = 0.0,
+                  seed: int = 0, progress: Callable[[int, int], None] | None = None) -> list[Sequence]:
+    """The target's continuation of every turn of every sample (greedy at T=0, sampled at `temperature`
+    otherwise; turn t+1 follows the target's own answer to turn t), with context features for the layers
+    `target` captures. Prompts longer than `max_prompt_tokens` are skipped. Returns turn 1 of every kept
+    sample, then turn 2, ... Stored in shards of `batch_size` prompts: a killed run keeps finished ones."""
     out_dir = Path(out_dir)
     answers: dict[str, list[str]] = {s.id: [] for s in samples}
     live = list(samples)
@@ -55,7 +56,7 @@ def continuations(target: Target, samples: list[BenchmarkSample], out_dir: str |
             break
         folder = out_dir / f"turn{turn + 1}"
         distill(target, prompts, folder, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                shard_size=max(len(prompts), 1), stop_ids=target.stop_token_ids(),
+                shard_size=batch_size, temperature=temperature, seed=seed + turn, stop_ids=target.stop_token_ids(),
                 settings={"target": target.fingerprint(), "layers": list(target.layer_ids)}, progress=progress)
         seqs = load_distilled(folder)
         stop = set(target.stop_token_ids())

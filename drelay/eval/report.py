@@ -1,0 +1,181 @@
+"""The evaluation's report: the paper-style markdown tables and the PNG plots.
+
+    rows = benchmarks (+ mean), columns = methods, cells "τ / speedup"
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from drelay.decoding.replay import ORACLE, ReplayStats  # noqa: E402
+from drelay.eval.run import AR, EvalResult  # noqa: E402
+
+REPAIR_COLUMNS = (("pool_hit", "pool-hit"), ("replace_rate", "replace"), ("repair_precision", "precision"),
+                  ("harm_rate", "harm"), ("oracle_gap_closed", "oracle gap closed vs dflash"))
+
+
+def _methods(rows: dict) -> list[str]:
+    return list(rows["mean"])
+
+
+def _tau_speedup(cell: dict) -> str:
+    tau = f"{cell['tau']:.2f}" if "tau" in cell else "—"
+    speed = f"{cell['speedup']:.2f}x" if "speedup" in cell else "—"
+    return f"{tau} / {speed}"
+
+
+def markdown(result: EvalResult, info: dict) -> str:
+    """The whole report: provenance, one τ / speedup table per temperature, repair statistics and
+    the live checks. `info` gives samples/live_samples/max_new_tokens per benchmark, dtype, etc."""
+    lines = ["# Evaluation", ""]
+    lines += [f"Target `{info.get('target', '?')}` ({info.get('dtype', '?')}, {info.get('device', '?')}), "
+              f"pool size k = {info.get('pool_size', '?')}, block size B = {info.get('block_size', '?')}, "
+              f"T > 0 verification rule `{info.get('sampling_rule', '?')}`.", ""]
+    lines += ["Which numbers are which:",
+              "- **τ**, pool-hit, replace rate, repair precision, harm rate: *replay* — the target writes one "
+              "continuation per prompt (greedy at T=0, sampled at T>0) and every method's decode loop is "
+              "simulated along it. Exact at T=0 (a lossless decoder commits exactly that continuation); at "
+              "T>0 an unbiased estimate (a draft token is accepted with the probability that the target's "
+              "sample equals it). The oracle picks the true token whenever it is in its pool "
+              f"(`{info.get('oracle_drafter', 'dflash')}`'s drafter).",
+              "- **speedup**, tokens/s, live τ, identical-to-AR rate: *live* decoding of the first few prompts "
+              "of each benchmark, AR and every method back to back in one process. The oracle runs live at "
+              "T=0 only (it reads AR's output); at T>0 its speedup is —.", ""]
+    lines += ["| benchmark | replayed samples (sequences) | live prompts | max new tokens (replay / live) |",
+              "|---|---|---|---|"]
+    for bench, row in info.get("benchmarks", {}).items():
+        lines.append(f"| {bench} | {row['samples']} ({row['sequences']}) | {row['live_samples']} "
+                     f"| {row['max_new_tokens']} / {info.get('live_max_new_tokens', '?')} |")
+    lines.append("")
+    for tkey, rows in result.tables.items():
+        methods = _methods(rows)
+        lines += [f"## {tkey.replace('_', '.').replace('T', 'T = ', 1)}: τ (replay) / speedup over AR (live)", ""]
+        lines += ["| benchmark | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+        for bench, cells in rows.items():
+            name = f"**{bench}**" if bench == "mean" else bench
+            lines.append(f"| {name} | " + " | ".join(_tau_speedup(cells[m]) for m in methods) + " |")
+        ar = rows["mean"].get(AR, {})
+        if "tokens_per_s" in ar:
+            lines += ["", f"AR: {ar['tokens_per_s']:.1f} tokens/s (mean over benchmarks)."]
+        repairers = [m for m in methods if m != AR]
+        lines += ["", f"Repair statistics ({tkey}, mean over benchmarks, replay):", "",
+                  "| method | " + " | ".join(label for _, label in REPAIR_COLUMNS) + " |",
+                  "|---|" + "---|" * len(REPAIR_COLUMNS)]
+        for m in repairers:
+            cell = rows["mean"][m]
+            lines.append(f"| {m} | " + " | ".join(f"{cell[k]:.3f}" if k in cell else "—" for k, _ in REPAIR_COLUMNS)
+                         + " |")
+        live = [m for m in repairers if "tau_live" in rows["mean"][m]]
+        if live:
+            ident = any("identical_rate" in rows["mean"][m] for m in live)
+            lines += ["", f"Live checks ({tkey}, mean over benchmarks):", "",
+                      "| method | τ replay | τ live | tokens/s | repair share of a step"
+                      + (" | identical to AR | near-tie divergences |" if ident else " |"),
+                      "|---|---|---|---|---|" + ("---|---|" if ident else "")]
+            for m in live:
+                c = rows["mean"][m]
+                near = sum(rows[b][m].get("near_tie_divergences", 0) for b in rows if b != "mean")
+                tail = f" {c['identical_rate']:.3f} | {near:.0f} |" if "identical_rate" in c else ""
+                lines.append(f"| {m} | {c.get('tau', float('nan')):.3f} | {c['tau_live']:.3f} | "
+                             f"{c['tokens_per_s']:.1f} | {c['repair_share']:.3f} |{tail}")
+        lines.append("")
+    if info.get("plots"):
+        lines.append("Plots: " + ", ".join(f"`{p}`" for p in info["plots"]) + ".")
+    return "\n".join(lines) + "\n"
+
+
+def _save(fig: plt.Figure, path: str | Path) -> plt.Figure:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return fig
+
+
+def plot_tau(result: EvalResult, path: str | Path) -> plt.Figure:
+    """Grouped bars: τ per benchmark (and mean) per method, one panel per temperature."""
+    temps = list(result.tables)
+    fig, axes = plt.subplots(len(temps), 1, figsize=(13, 3.6 * len(temps)), squeeze=False)
+    for ax, tkey in zip(axes[:, 0], temps):
+        rows = result.tables[tkey]
+        benches, methods = list(rows), [m for m in _methods(rows) if m != AR]
+        width = 0.8 / max(len(methods), 1)
+        for j, m in enumerate(methods):
+            xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(benches))]
+            ax.bar(xs, [rows[b][m].get("tau", 0.0) for b in benches], width, label=m,
+                   hatch="//" if m == ORACLE else None, alpha=0.6 if m == ORACLE else 0.9)
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xticks(range(len(benches)), benches)
+        ax.set(ylabel="τ (replay)", title=f"{tkey}: acceptance length per benchmark")
+        ax.legend(fontsize=8, ncol=len(methods))
+    return _save(fig, path)
+
+
+def plot_acceptance(result: EvalResult, path: str | Path) -> plt.Figure:
+    """Share of blocks whose draft at position i was accepted, all benchmarks pooled, per method."""
+    temps = list(result.replay)
+    fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 3.8), squeeze=False)
+    for ax, tkey in zip(axes[0], temps):
+        for m, stats in result.replay[tkey].items():
+            blocks = float(stats.reached[0]) or 1.0
+            values = (stats.accepted_at / blocks).tolist()
+            ax.plot(range(1, len(values) + 1), values, "o--" if m == ORACLE else "o-", label=m)
+        ax.set(xlabel="block position i", ylabel="P(draft i accepted)", ylim=(0, 1.02),
+               title=f"{tkey}: acceptance by block position")
+        ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def repair_outcomes(stats: ReplayStats) -> dict[str, list[float]]:
+    """Per position, over reached positions: replaced and right, replaced a right native (harm),
+    replaced with both wrong, kept the native."""
+    reached = stats.reached.clamp(min=1)
+    right, harm = stats.replaced_right_at / reached, stats.harmed_at / reached
+    neutral = (stats.replaced_at - stats.replaced_right_at - stats.harmed_at) / reached
+    kept = 1 - stats.replaced_at / reached
+    return {"replaced, right": right.tolist(), "replaced a right native (harm)": harm.tolist(),
+            "replaced, both wrong": neutral.tolist(), "kept native": kept.tolist()}
+
+
+def plot_repair(result: EvalResult, path: str | Path, method: str = "drelay") -> plt.Figure:
+    """DRelay's repair outcomes by block position (stacked), and every head's outcomes side by side
+    (a figure that says so when `method` was not evaluated)."""
+    temps = [t for t in result.replay if method in result.replay[t]]
+    if not temps:
+        fig, ax = plt.subplots(figsize=(6, 2))
+        ax.axis("off")
+        ax.text(0.5, 0.5, f"{method} was not evaluated (eval.methods)", ha="center", va="center")
+        return _save(fig, path)
+    fig, axes = plt.subplots(len(temps), 2, figsize=(13, 3.8 * len(temps)), squeeze=False)
+    colors = ("tab:green", "tab:red", "tab:orange", "lightgray")
+    for (ax, ax2), tkey in zip(axes, temps):
+        outcomes = repair_outcomes(result.replay[tkey][method])
+        bottom = [0.0] * len(next(iter(outcomes.values())))
+        xs = range(1, len(bottom) + 1)
+        for (label, values), color in zip(outcomes.items(), colors):
+            if label == "kept native":
+                continue
+            ax.bar(xs, values, bottom=bottom, label=label, color=color)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax.set(xlabel="block position i", ylabel="share of reached positions",
+               title=f"{tkey}: {method}'s replacements by position")
+        ax.legend(fontsize=8)
+        heads = [m for m in result.replay[tkey] if m not in ("dflash", ORACLE)]
+        bottom = [0.0] * len(heads)
+        for label, color in zip(("replaced, right", "replaced a right native (harm)", "replaced, both wrong"), colors):
+            values = []
+            for m in heads:
+                s = result.replay[tkey][m]
+                total = {"replaced, right": s.replaced_right, "replaced a right native (harm)": s.harmed,
+                         "replaced, both wrong": s.replaced - s.replaced_right - s.harmed}[label]
+                values.append(total / max(s.positions, 1))
+            ax2.bar(heads, values, bottom=bottom, label=label, color=color)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ax2.set(ylabel="share of reached positions", title=f"{tkey}: replacements, every head (all positions)")
+        ax2.legend(fontsize=8)
+    return _save(fig, path)

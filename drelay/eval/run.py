@@ -1,0 +1,315 @@
+"""The evaluation grid: benchmarks x methods x temperatures, run in cells that are saved as they finish.
+
+Two kinds of measurement (DESIGN §1.8, §3):
+
+- replay (many samples): the target writes ONE continuation per prompt (greedy at T=0, sampled at
+  T>0), and every method's decode loop is simulated along it (drelay.decoding.replay). At T=0 a
+  lossless decoder commits exactly that continuation, so τ and the repair statistics are the live
+  ones. At T>0 a point-mass draft d_i is accepted with probability p(d_i) under both rules of
+  drelay.decoding.verify, which is the probability that a target sample at that position equals
+  d_i; so replay along a sampled continuation draws τ from the same distribution as live decoding
+  (an unbiased estimate; its "true token" is the target's sample).
+- live (a few samples): AR and every method decode the same prompt in the same process, for
+  tokens/s, speedup over AR and, at T=0, the identical-output check (drelay.eval.live).
+
+Cells: replay (T, benchmark, method) and live (T, benchmark, prompt), each a JSON file under
+`<out_dir>/cells/` stamped with the settings and model fingerprints that made it; a resumed run
+reuses every cell whose stamp still matches, and the continuations are resumable shards.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from drelay.config import EvalConfig
+from drelay.decoding.generate import Repair
+from drelay.decoding.replay import ORACLE, ReplayStats, replay
+from drelay.eval.benchmarks import load_benchmark
+from drelay.eval.live import LiveMethod, live_prompt, summarize_live
+from drelay.eval.replay_eval import continuations
+from drelay.models.drafter import BlockDrafter
+from drelay.models.target import Target
+from drelay.training.distill import Sequence
+from drelay.training.joint import load_method_head
+
+AR = "ar"
+# Part of every cell's stamp: bump it when a change to the code alters what a cell measures, so that
+# resumed runs recompute instead of reusing (settings, models and continuations are stamped already).
+CELL_VERSION = 1
+REPLAY_METRICS = ("tau", "pool_hit", "replace_rate", "repair_precision", "harm_rate")
+_COUNTERS = ("accepted_at", "reached", "pool_hit", "replaced_at", "replaced_right_at", "harmed_at")
+
+
+@dataclass
+class EvalMethod:
+    """A method under evaluation: its drafter, its repair (None: native top-1; ORACLE; a hook) and a
+    fingerprint of the files it came from (a changed model invalidates its cells)."""
+
+    drafter: BlockDrafter
+    repair: Repair | str | None
+    fingerprint: str
+
+
+def folder_fingerprint(path: str | Path) -> str:
+    """sha256 over every file under `path` (relative names and contents)."""
+    digest = hashlib.sha256()
+    root = Path(path)
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(root)).encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]
+
+
+def load_methods(target: Target, joint_dir: str | Path, names: list[str] | tuple[str, ...],
+                 oracle_drafter: str = "dflash") -> dict[str, EvalMethod]:
+    """The trained methods among `names` from `<joint_dir>/<method>/` (drafter + head), and `oracle`
+    on the pool of `oracle_drafter`'s drafter. `ar` needs no model."""
+    out: dict[str, EvalMethod] = {}
+    for name in names:
+        if name == AR:
+            continue
+        source = oracle_drafter if name == ORACLE else name
+        folder = Path(joint_dir) / source
+        drafter = BlockDrafter.load(folder / "drafter", target).eval()
+        if name == ORACLE:
+            out[name] = EvalMethod(drafter, ORACLE, folder_fingerprint(folder / "drafter"))
+        else:
+            out[name] = EvalMethod(drafter, load_method_head(name, folder, target.embed_tokens),
+                                   folder_fingerprint(folder))
+    return out
+
+
+def temperature_key(t: float) -> str:
+    """0.0 -> "T0", 1.0 -> "T1", 0.7 -> "T0_7" (no dots: DVC and MLflow split names there)."""
+    return "T" + f"{t:g}".replace(".", "_")
+
+
+# ---- cells ------------------------------------------------------------------------------------
+
+
+class CellStore:
+    """Finished cells as JSON files `<root>/<key>.json`, each with the stamp that made it."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+
+    def get(self, key: str, stamp: dict) -> dict | None:
+        path = self.root / f"{key}.json"
+        if not path.is_file():
+            return None
+        try:
+            saved = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            return None  # a torn file (cannot happen with put(); a hand-edited one): recompute
+        return saved["value"] if saved.get("stamp") == stamp else None
+
+    def put(self, key: str, stamp: dict, value: dict) -> None:
+        path = self.root / f"{key}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".cell.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"stamp": stamp, "value": value}, f)
+        os.replace(tmp, path)
+
+
+def stats_to_dict(stats: ReplayStats) -> dict:
+    return {"taus": stats.taus, "steps": stats.steps, **{k: getattr(stats, k).tolist() for k in _COUNTERS}}
+
+
+def stats_from_dict(d: dict) -> ReplayStats:
+    return ReplayStats(taus=list(d["taus"]), steps=int(d["steps"]),
+                       **{k: torch.tensor(d[k], dtype=torch.float32) for k in _COUNTERS})
+
+
+# ---- the grid ---------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalResult:
+    """Everything the report needs. `tables[T][benchmark][method]` = {metric: value} (with a `mean`
+    benchmark); `replay[T][method]` = the replay statistics pooled over benchmarks (per position);
+    `live_records[T][benchmark]` = per-prompt live records; `reused`/`computed`: cell counts."""
+
+    tables: dict[str, dict[str, dict[str, dict[str, float]]]] = field(default_factory=dict)
+    replay: dict[str, dict[str, ReplayStats]] = field(default_factory=dict)
+    live_records: dict[str, dict[str, list[dict]]] = field(default_factory=dict)
+    sequences: dict[str, dict[str, int]] = field(default_factory=dict)
+    reused: int = 0
+    computed: int = 0
+
+
+def cell_metrics(method: str, stats: ReplayStats | None, live: dict | None, oracle: ReplayStats | None,
+                 dflash: ReplayStats | None, ar_tokens_per_s: float | None) -> dict[str, float]:
+    """One table cell: replay τ + repair statistics, live τ / tokens/s / speedup (/ identical rate)."""
+    if method == AR:
+        out = {"tau": 1.0, "speedup": 1.0}
+        if ar_tokens_per_s is not None:
+            out["tokens_per_s"] = ar_tokens_per_s
+        return out
+    out: dict[str, float] = {}
+    if stats is not None:
+        summary = stats.summary()
+        out |= {k: summary[k] for k in REPLAY_METRICS}
+        out["replay_sequences"] = len(stats.taus)
+        if dflash is not None and oracle is not None and method not in ("dflash", ORACLE):
+            gap = oracle.tau - dflash.tau
+            out["oracle_gap_closed"] = (stats.tau - dflash.tau) / gap if gap > 1e-9 else 0.0
+    if live:
+        out |= {"speedup": live["live_speedup"], "tokens_per_s": live["live_tokens_per_s"],
+                "tau_live": live["live_tau"], "repair_share": live["live_repair_share"],
+                "live_prompts": live["live_prompts"]}
+        if "live_identical_rate" in live:
+            out |= {"identical_rate": live["live_identical_rate"],
+                    "near_tie_divergences": live["live_near_tie_divergences"]}
+    return out
+
+
+def mean_row(rows: dict[str, dict[str, dict[str, float]]], methods: list[str]) -> dict[str, dict[str, float]]:
+    """The unweighted mean over benchmarks of every metric a method has on all of them; the share of
+    the oracle gap closed from the mean τs (a mean of per-benchmark ratios would weigh benchmarks
+    with a tiny gap like the others)."""
+    out = {}
+    for method in methods:
+        cells = [rows[b][method] for b in rows]
+        keys = set.intersection(*(set(c) for c in cells)) if cells else set()
+        out[method] = {k: statistics.mean(c[k] for c in cells) for k in sorted(keys)}
+    base, oracle = out.get("dflash", {}).get("tau"), out.get(ORACLE, {}).get("tau")
+    for method, cell in out.items():
+        if "oracle_gap_closed" in cell and base is not None and oracle is not None:
+            gap = oracle - base
+            cell["oracle_gap_closed"] = (cell["tau"] - base) / gap if gap > 1e-9 else 0.0
+    return out
+
+
+def run_grid(target: Target, methods: dict[str, EvalMethod], cfg: EvalConfig, *, mirror: str | Path,
+             pool_size: int, sampling_rule: str = "residual", max_prompt_tokens: int = 384, seed: int = 0,
+             log: Callable[[str], None] = print,
+             on_cell: Callable[[int, int, str], None] | None = None) -> EvalResult:
+    """Every benchmark x method x temperature of `cfg` (methods: `ar` plus the keys of `methods`,
+    which include `oracle` if wanted). Resumes from the cells under `cfg.out_dir`.
+
+    `on_cell(done, total, what)` reports progress after each cell. Raises LosslessnessError (after
+    saving every finished cell) if a T=0 output departs from AR where rounding cannot explain it."""
+    out_dir = Path(cfg.out_dir)
+    store = CellStore(out_dir / "cells")
+    names = [m for m in cfg.methods if m == AR or m in methods]
+    trained = [m for m in names if m != AR]
+    result = EvalResult()
+    total = sum(len(trained) + cfg.per_benchmark("live_samples", b) for b in cfg.benchmarks) * len(cfg.temperatures)
+    done = 0
+    target_fp = target.fingerprint()
+
+    def tick(what: str) -> None:
+        nonlocal done
+        done += 1
+        if on_cell is not None:
+            on_cell(done, total, what)
+
+    for temperature in cfg.temperatures:
+        tkey = temperature_key(temperature)
+        tables: dict[str, dict[str, dict[str, float]]] = {}
+        pooled: dict[str, ReplayStats] = {}
+        result.live_records[tkey], result.sequences[tkey] = {}, {}
+        for bench in cfg.benchmarks:
+            n, max_new = cfg.per_benchmark("samples", bench), cfg.per_benchmark("max_new_tokens", bench)
+            samples = load_benchmark(bench, mirror, n)
+            seqs: list[Sequence] = continuations(
+                target, samples, out_dir / "continuations" / tkey / bench, max_new_tokens=max_new,
+                max_prompt_tokens=max_prompt_tokens, batch_size=cfg.batch_size, temperature=temperature, seed=seed)
+            result.sequences[tkey][bench] = len(seqs)
+            base = {"version": CELL_VERSION, "target": target_fp, "benchmark": bench, "temperature": temperature, "samples": n,
+                    "max_new_tokens": max_new, "max_prompt_tokens": max_prompt_tokens, "pool_size": pool_size,
+                    "seed": seed, "continuations": _sequences_digest(seqs)}
+            stats: dict[str, ReplayStats] = {}
+            for name in trained:
+                stamp = {**base, "method": name, "model": methods[name].fingerprint}
+                key = f"{tkey}/{bench}/replay_{name}"
+                saved = store.get(key, stamp)
+                if saved is None:
+                    m = methods[name]
+                    device = m.drafter.fc.weight.device.type
+                    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
+                        s = replay(m.drafter, seqs, pool_size=pool_size, repair=m.repair)
+                    store.put(key, stamp, stats_to_dict(s))
+                    result.computed += 1
+                else:
+                    s = stats_from_dict(saved)
+                    result.reused += 1
+                stats[name] = s
+                pooled[name] = s if name not in pooled else pooled[name].merge(s)
+                tick(f"{tkey} {bench} replay {name}")
+            records = _live_cells(target, methods, trained, seqs, cfg, bench, temperature, base, store, result,
+                                  pool_size, sampling_rule, seed, tick)
+            result.live_records[tkey][bench] = records
+            live = summarize_live(records)
+            ar_tps = statistics.mean(r["ar"]["tokens_per_s"] for r in records) if records else None
+            tables[bench] = {name: cell_metrics(name, stats.get(name), live.get(name), stats.get(ORACLE),
+                                                stats.get("dflash"), ar_tps) for name in names}
+            log(f"{tkey} {bench}: {len(seqs)} sequences; τ " + ", ".join(
+                f"{name} {stats[name].tau:.3f}" for name in trained))
+        tables["mean"] = mean_row(tables, names)
+        result.tables[tkey] = tables
+        result.replay[tkey] = pooled
+    return result
+
+
+def _sequences_digest(seqs: list[Sequence]) -> str:
+    digest = hashlib.sha256()
+    for s in seqs:
+        digest.update(s.tokens.numpy().tobytes())
+        digest.update(str(s.prompt_len).encode())
+    return digest.hexdigest()[:16]
+
+
+def _live_cells(target: Target, methods: dict[str, EvalMethod], trained: list[str], seqs: list[Sequence],
+                cfg: EvalConfig, bench: str, temperature: float, base: dict, store: CellStore, result: EvalResult,
+                pool_size: int, sampling_rule: str, seed: int, tick: Callable[[str], None]) -> list[dict]:
+    """The live records of the first `live_samples` prompts of a benchmark (each one cell: AR and
+    every method on that prompt, in this process, back to back). The oracle runs live at T=0 only."""
+    live_names = [m for m in trained if not (m == ORACLE and temperature > 0)]
+    tkey = temperature_key(temperature)
+    records = []
+    n_live = cfg.per_benchmark("live_samples", bench)
+    for i, seq in enumerate(seqs[:n_live]):
+        ids = seq.tokens[: seq.prompt_len].tolist()
+        stamp = {**base, "prompt": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
+                 "live_max_new_tokens": cfg.live_max_new_tokens, "sampling_rule": sampling_rule,
+                 "methods": {m: methods[m].fingerprint for m in live_names}}
+        key = f"{tkey}/{bench}/live_{i:03d}"
+        record = store.get(key, stamp)
+        if record is None:
+            live = {m: LiveMethod(methods[m].drafter, methods[m].repair) for m in live_names}
+            record = live_prompt(target, live, ids, cfg.live_max_new_tokens, pool_size, temperature,
+                                 seed=seed + i, sampling_rule=sampling_rule)
+            store.put(key, stamp, record)
+            result.computed += 1
+        else:
+            result.reused += 1
+        records.append(record)
+        tick(f"{tkey} {bench} live {i + 1}")
+    for _ in range(len(seqs[:n_live]), n_live):  # fewer prompts than asked (over-long ones skipped)
+        tick(f"{tkey} {bench} live (none)")
+    return records
+
+
+def nonfinite(tables: dict) -> list[str]:
+    """Dotted paths of every number in `tables` that is NaN or infinite (should be none)."""
+    bad = []
+    for tkey, rows in tables.items():
+        for bench, cells in rows.items():
+            for method, metrics in cells.items():
+                bad += [f"{tkey}.{bench}.{method}.{k}" for k, v in metrics.items()
+                        if isinstance(v, float) and not math.isfinite(v)]
+    return bad
