@@ -192,8 +192,8 @@ def test_load_section_checks_only_its_own_keys_but_all_section_names(tmp_path):
         load_section(path, "decode")
     with pytest.raises(ConfigError, match="unknown section 'trian'"):
         load_section(path, "trian")
-    with pytest.raises(ConfigError, match="unknown section 'eval'"):
-        load_section(write(tmp_path, "eval: {}\n"), "drafter")
+    with pytest.raises(ConfigError, match="unknown section 'evals'"):
+        load_section(write(tmp_path, "evals: {}\n"), "drafter")
 
 
 def test_params_are_frozen():
@@ -218,3 +218,25 @@ def test_invalid_yaml_names_the_file(tmp_path):
     path = write(tmp_path, "drafter:\n  block_size: [8\n")
     with pytest.raises(ConfigError, match=re.escape(f"{path}: not valid YAML")):
         load_params(path)
+
+
+def test_eval_per_benchmark_mappings(tmp_path):
+    path = write(tmp_path, "eval:\n  samples: {default: 16, aime24: 8}\n  live_samples: {default: 0}\n")
+    cfg = load_params(path).eval
+    assert cfg.per_benchmark("samples", "aime24") == 8 and cfg.per_benchmark("samples", "gsm8k") == 16
+    assert cfg.per_benchmark("live_samples", "mbpp") == 0
+    cases = {
+        "eval:\n  samples: 16\n": "eval.samples must be mapping of int, got int (16)",
+        "eval:\n  samples: {gsm8k: x}\n": "eval.samples.gsm8k must be int, got str ('x')",
+        "eval:\n  samples: {gsm8k: 4}\n": "eval.samples must be set for every benchmark (or a 'default' entry)",
+        "eval:\n  samples: {default: 4, gsm8: 4}\n": "eval.samples must be a mapping from benchmark names",
+        "eval:\n  samples: {default: 0}\n": "eval.samples.default must be >= 1, got 0",
+        "eval:\n  methods: [ar, medusa]\n": "eval.methods must be a non-empty list of distinct names from ar, dflash",
+        "eval:\n  temperatures: [0.0, 0.0]\n": "eval.temperatures must be a non-empty list of distinct values >= 0",
+        "eval:\n  oracle_drafter: oracle\n": "eval.oracle_drafter must be one of dflash",
+    }
+    for text, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_params(write(tmp_path, text))
+    narrow = write(tmp_path, "eval:\n  benchmarks: [gsm8k]\n  samples: {gsm8k: 4}\n")
+    assert load_params(narrow).eval.samples == {"gsm8k": 4}  # only the listed benchmarks need an entry

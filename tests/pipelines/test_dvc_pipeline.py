@@ -4,6 +4,7 @@ the MLflow sqlite store read back, reruns, stage errors, and kill-then-resume of
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import signal
 import subprocess
@@ -18,8 +19,10 @@ from pipelines.common import REPO_ROOT
 
 HEADS = ("dflash2", "domino", "dspark")
 STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash", "train@dflash", "train@drelay",
-          *(f"train@{head}" for head in HEADS))
-METRICS = {s: f"joint_{s[6:]}" for s in STAGES if s.startswith("train@")}  # the metrics file of a stage
+          *(f"train@{head}" for head in HEADS), "evaluate")
+METRICS = {**{s: f"joint_{s[6:]}" for s in STAGES if s.startswith("train@")}, "evaluate": "eval"}  # metrics file
+BENCHMARKS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "mt_bench", "alpaca")
+EVAL_METHODS = ("ar", "dflash", "dflash2", "domino", "dspark", "drelay", "oracle")
 pytestmark = pytest.mark.slow
 
 
@@ -118,6 +121,7 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
         assert m["live_identical_rate"] == 1.0
         assert {"train_loss", "train_ce", "train_acc", "train_native_acc", "replay_tau",
                 "replay_replace_rate_pos1"} <= set(runs[f"train@{head}"][0].data.metrics)
+    _check_evaluation(repo, runs["evaluate"][0])
 
     log = _dvc(repo, env, "repro")  # nothing changed: nothing runs
     assert "Running stage" not in log, log
@@ -129,6 +133,37 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     assert not any(f"Running stage '{s}'" in log for s in STAGES[:4]), log
     runs = _runs_by_stage(uri)
     assert len(runs["train@drelay"]) == 2 and all(len(runs[s]) == 1 for s in STAGES[:4])
+    assert "Running stage 'evaluate'" in log and len(runs["evaluate"]) == 2  # drelay's model changed
+    cells = json.loads((repo / "metrics/eval.json").read_text())
+    assert cells["cells_computed"] >= 2 * 8  # at least drelay's replay cells, every temperature x benchmark
+
+
+def _check_evaluation(repo: Path, run) -> None:
+    """eval.json: every temperature x benchmark (+ mean) x method, finite numbers, the identical-output
+    check passed at T=0 (float32 smoke target); the report and plots; the numbers in MLflow."""
+    tables = json.loads((repo / "metrics/eval.json").read_text())
+    for tkey in ("T0", "T1"):
+        assert set(tables[tkey]) == {*BENCHMARKS, "mean"}  # (metrics files are written with sorted keys)
+        for bench, cells in tables[tkey].items():
+            assert set(cells) == set(EVAL_METHODS), (tkey, bench)
+            for method, metrics in cells.items():
+                assert all(v is not None and math.isfinite(v) for v in metrics.values()), (tkey, bench, method)
+                assert metrics["tau"] >= 1.0
+                if method != "ar":
+                    assert {"pool_hit", "replace_rate", "repair_precision", "harm_rate"} <= set(metrics)
+                if not (method == "oracle" and tkey == "T1"):  # the live oracle needs T=0
+                    assert metrics["speedup"] > 0 and metrics["tokens_per_s"] > 0
+                if tkey == "T0" and method != "ar":
+                    assert metrics["identical_rate"] == 1.0
+            assert cells["oracle"]["tau"] >= cells["dflash"]["tau"]
+    report = (repo / "reports/eval.md").read_text()
+    assert "| benchmark | ar | dflash | dflash2 | domino | dspark | drelay | oracle |" in report
+    assert report.count("| **mean** |") == 2 and "replay" in report and "live" in report
+    for name in ("tau", "acceptance", "repair"):
+        assert (repo / f"reports/eval_{name}.png").stat().st_size > 10000
+    logged = run.data.metrics
+    assert logged["T0/mean/drelay/tau"] == pytest.approx(tables["T0"]["mean"]["drelay"]["tau"], rel=1e-5)
+    assert logged["T1/gsm8k/dspark/speedup"] == pytest.approx(tables["T1"]["gsm8k"]["dspark"]["speedup"], rel=1e-5)
 
 
 def _stage(repo: Path, env: dict, stage: str, *args: str, **kw) -> subprocess.CompletedProcess:
@@ -156,6 +191,14 @@ def test_bad_key_and_missing_mirror_are_clear_errors(smoke_repo, env, tmp_path):
     assert "Traceback" not in out.stderr
     out = _stage(smoke_repo, env, "train", "--method", "medusa")
     assert out.returncode == 2 and "invalid choice: 'medusa'" in out.stderr
+
+    out = _stage(smoke_repo, env, "evaluate", "--set", f"joint.out_dir={tmp_path / 'none'}")
+    assert out.returncode == 2 and str(tmp_path / "none" / "dflash") in out.stderr
+    assert "train@dflash stage" in out.stderr and "Traceback" not in out.stderr
+    out = _stage(smoke_repo, env, "evaluate", "--set", "eval.methods=[ar, medusa]")
+    assert out.returncode == 2 and "eval.methods must be" in out.stderr
+    out = _stage(smoke_repo, env, "evaluate", "--set", "joint.methods=[dflash]")
+    assert out.returncode == 2 and "which joint.methods does not train" in out.stderr
 
 
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:

@@ -1,0 +1,183 @@
+"""The evaluation grid on a tiny random target with the real benchmark mirror: every benchmark x
+method x temperature present and finite, replay τ equal to live τ at T=0, the oracle as an upper
+bound and live at T=0, cells reused on a second run and after an interruption, a changed model
+recomputing only its own cells, and the report + plots."""
+
+import json
+import math
+from functools import partial
+
+import pytest
+import torch
+
+from drelay.config import EvalConfig
+from drelay.decoding.replay import ORACLE
+from drelay.eval.live import oracle_hook
+from drelay.eval.report import markdown, plot_acceptance, plot_repair, plot_tau, repair_outcomes
+from drelay.eval.run import AR, CellStore, EvalMethod, folder_fingerprint, run_grid, temperature_key
+from drelay.models.drafter import BlockDrafter
+from drelay.models.target import Target, make_tiny_random_target
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+BENCHES = ("gsm8k", "mt_bench")
+
+
+def second_at_one(block):  # a repair hook that changes something: position 1 takes its 2nd candidate
+    draft = block.pool_ids[..., 0].clone()
+    draft[:, 0] = block.pool_ids[:, 0, 1]
+    return draft
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    path = make_tiny_random_target(tmp_path_factory.mktemp("target") / "tiny", seed=3)
+    target = Target.load(path, dtype="float32")
+    torch.manual_seed(0)
+    drafter = BlockDrafter.for_target(target, block_size=4).float()
+    methods = {"dflash": EvalMethod(drafter, None, "d1"), "dflash2": EvalMethod(drafter, second_at_one, "s1"),
+               ORACLE: EvalMethod(drafter, ORACLE, "d1")}
+    return target, methods
+
+
+def config(out_dir, **kw) -> EvalConfig:
+    settings = dict(benchmarks=BENCHES, methods=(AR, "dflash", "dflash2", ORACLE), temperatures=(0.0, 1.0),
+                    samples={"default": 2}, max_new_tokens={"default": 10, "mt_bench": 8},
+                    live_samples={"default": 1}, live_max_new_tokens=10, batch_size=2, out_dir=str(out_dir))
+    return EvalConfig(**{**settings, **kw})
+
+
+def grid(models, cfg, mirror, **kw):
+    target, methods = models
+    return run_grid(target, methods, cfg, mirror=mirror, pool_size=4, max_prompt_tokens=512, log=lambda s: None, **kw)
+
+
+@pytest.fixture(scope="module")
+def first(models, mirror, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eval")
+    return out, grid(models, config(out), mirror)
+
+
+def test_every_cell_is_present_and_finite(first):
+    _, result = first
+    assert list(result.tables) == ["T0", "T1"]
+    for tkey, rows in result.tables.items():
+        assert list(rows) == [*BENCHES, "mean"]
+        for bench, cells in rows.items():
+            assert list(cells) == [AR, "dflash", "dflash2", ORACLE]
+            for method, metrics in cells.items():
+                assert all(math.isfinite(v) for v in metrics.values()), (tkey, bench, method)
+                assert {"tau", "speedup"} <= set(metrics) or (method == ORACLE and tkey == "T1")
+                if method != AR:
+                    assert {"tau", "pool_hit", "replace_rate", "repair_precision", "harm_rate"} <= set(metrics)
+            assert cells[AR]["tau"] == 1.0 and cells[AR]["speedup"] == 1.0 and cells[AR]["tokens_per_s"] > 0
+    t0 = result.tables["T0"]
+    for bench in BENCHES:
+        assert t0[bench]["dflash"]["identical_rate"] == 1.0  # float32 target: lossless, token for token
+        assert t0[bench]["dflash2"]["identical_rate"] == 1.0 and t0[bench][ORACLE]["identical_rate"] == 1.0
+        assert t0[bench][ORACLE]["tau"] >= max(t0[bench]["dflash"]["tau"], t0[bench]["dflash2"]["tau"])
+        assert t0[bench]["dflash"]["replace_rate"] == 0.0 and t0[bench]["dflash2"]["replace_rate"] > 0
+    assert "speedup" not in result.tables["T1"]["gsm8k"][ORACLE]  # the live oracle needs T=0
+    assert "identical_rate" not in result.tables["T1"]["gsm8k"]["dflash"]
+    assert result.sequences["T0"] == {"gsm8k": 2, "mt_bench": 4}  # MT-Bench: both turns of each sample
+    mean = result.tables["T0"]["mean"]["dflash2"]
+    assert mean["tau"] == pytest.approx(sum(t0[b]["dflash2"]["tau"] for b in BENCHES) / 2)
+
+
+def test_the_live_oracle_with_a_full_pool_accepts_every_block_like_the_replayed_one(models, mirror, tmp_path):
+    target, methods = models  # pool = the whole vocabulary: the oracle always holds the true token
+    cfg = config(tmp_path, benchmarks=("gsm8k",), methods=(AR, ORACLE), samples={"default": 1}, temperatures=(0.0,),
+                 max_new_tokens={"default": 14}, live_max_new_tokens=14)
+    result = run_grid(target, {ORACLE: methods[ORACLE]}, cfg, mirror=mirror, pool_size=target.vocab_size,
+                      max_prompt_tokens=512, log=lambda s: None)
+    oracle = result.tables["T0"]["gsm8k"][ORACLE]
+    assert oracle["tau"] == oracle["tau_live"] > 3.0 and oracle["identical_rate"] == 1.0
+    assert oracle["pool_hit"] == 1.0 and oracle["repair_precision"] == 1.0
+
+
+def test_oracle_hook_picks_the_reference_token_when_in_the_pool():
+    from drelay.decoding.generate import DraftBlock
+
+    pool = torch.tensor([[[5, 6], [7, 8], [9, 10]]])  # (1, 3 positions, k=2)
+    block = DraftBlock(torch.tensor([4]), torch.tensor([12]), None, None, pool, torch.zeros(1, 3, 2))
+    # prompt of 10 tokens: the anchor (position 12) is new token 2; drafts are new tokens 3, 4, 5
+    hook = oracle_hook(10, [0, 0, 0, 6, 1, 10])
+    assert hook(block).tolist() == [[6, 7, 10]]  # in pool / not in pool (native) / in pool
+    assert oracle_hook(10, [0, 0, 0, 6])(block).tolist() == [[6, 7, 9]]  # past the reference: native
+
+
+def test_second_run_reuses_every_cell_and_gives_the_same_tables(first, models, mirror):
+    out, result = first
+    again = grid(models, config(out), mirror)
+    assert again.computed == 0 and again.reused == result.computed + result.reused
+    for tkey in result.tables:
+        for bench in BENCHES:
+            assert again.tables[tkey][bench] == result.tables[tkey][bench]
+
+
+def test_an_interrupted_run_resumes_from_its_finished_cells(models, mirror, tmp_path):
+    cfg = config(tmp_path, benchmarks=("gsm8k",))
+
+    def stop_after(n):
+        def on_cell(done, total, what):
+            if done == n:
+                raise KeyboardInterrupt(f"killed after {what}")
+        return on_cell
+
+    with pytest.raises(KeyboardInterrupt):
+        grid(models, cfg, mirror, on_cell=stop_after(5))
+    saved = sorted(p.relative_to(tmp_path) for p in (tmp_path / "cells").rglob("*.json"))
+    assert len(saved) == 5
+    resumed = grid(models, cfg, mirror)
+    assert resumed.reused == 5 and resumed.computed == 8 - 5  # (3 methods + 1 live) x 2 temperatures
+
+
+def test_a_changed_model_recomputes_only_its_cells_and_the_live_ones(first, models, mirror):
+    out, result = first
+    target, methods = models
+    changed = {**methods, "dflash2": EvalMethod(methods["dflash2"].drafter, second_at_one, "s2")}
+    again = run_grid(target, changed, config(out), mirror=mirror, pool_size=4, max_prompt_tokens=512,
+                     log=lambda s: None)
+    per_temp_bench = 1 + 1  # dflash2's replay cell + the live cell (it holds every method)
+    assert again.computed == per_temp_bench * len(BENCHES) * 2
+
+
+def test_cell_store_ignores_other_stamps_and_torn_files(tmp_path):
+    store = CellStore(tmp_path)
+    store.put("T0/x/replay_a", {"model": "1"}, {"tau": 2.0})
+    assert store.get("T0/x/replay_a", {"model": "1"}) == {"tau": 2.0}
+    assert store.get("T0/x/replay_a", {"model": "2"}) is None
+    (tmp_path / "T0/x/replay_b.json").write_text('{"stamp": {"model": "1"}, "val')
+    assert store.get("T0/x/replay_b", {"model": "1"}) is None
+    assert temperature_key(0.0) == "T0" and temperature_key(0.7) == "T0_7"
+
+
+def test_folder_fingerprint_follows_contents(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "w.bin").write_bytes(b"123")
+    before = folder_fingerprint(tmp_path)
+    (tmp_path / "a" / "w.bin").write_bytes(b"124")
+    assert folder_fingerprint(tmp_path) != before
+
+
+def test_report_tables_and_plots(first, tmp_path):
+    _, result = first
+    info = {"benchmarks": {b: {"samples": 2, "sequences": 2, "live_samples": 1, "max_new_tokens": 10} for b in BENCHES},
+            "plots": ["reports/eval_tau.png"]}
+    text = markdown(result, info)
+    for tkey in ("T = 0", "T = 1"):
+        assert f"## {tkey}: τ (replay) / speedup over AR (live)" in text
+    header = "| benchmark | ar | dflash | dflash2 | oracle |"
+    assert text.count(header) == 2
+    mean = result.tables["T0"]["mean"]
+    assert f"| **mean** | 1.00 / 1.00x | {mean['dflash']['tau']:.2f} / {mean['dflash']['speedup']:.2f}x |" in text
+    assert "replay" in text and "live" in text  # which numbers are which
+    for plot in (plot_tau, plot_acceptance, partial(plot_repair, method="dflash2")):
+        path = tmp_path / "plot.png"
+        fig = plot(result, path)
+        assert path.stat().st_size > 10000 and len(fig.axes) >= 2
+    fig = plot_repair(result, tmp_path / "none.png")  # drelay was not evaluated here: the figure says so
+    assert "drelay was not evaluated" in fig.axes[0].texts[0].get_text()
+    outcomes = repair_outcomes(result.replay["T0"]["dflash2"])
+    for i in range(3):  # right + harm + both wrong + kept = every reached position
+        assert sum(v[i] for v in outcomes.values()) == pytest.approx(1.0)
+    json.dumps(result.tables)  # plain numbers all the way down
