@@ -3,15 +3,12 @@ second after the target's own first answer), reused on a second call, and replay
 decoding's on the same prompts; live comparison metrics."""
 
 import pytest
-import torch
 
 from drelay.decoding.generate import speculative_generate
 from drelay.decoding.replay import ORACLE
 from drelay.eval.benchmarks import BenchmarkSample, conversation
 from drelay.eval.live import LiveMethod, live_compare
 from drelay.eval.replay_eval import ReplayMethod, continuations, replay_methods
-from drelay.models.drafter import BlockDrafter
-from drelay.models.target import Target, make_tiny_random_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SAMPLES = [BenchmarkSample("mt/1", "mt_bench", ("Name a color.", "Now another one."), None),
@@ -19,13 +16,9 @@ SAMPLES = [BenchmarkSample("mt/1", "mt_bench", ("Name a color.", "Now another on
            BenchmarkSample("mt/2", "mt_bench", ("Say hi.", "Say bye."), None)]
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    path = make_tiny_random_target(tmp_path_factory.mktemp("target") / "tiny", seed=3)
-    target = Target.load(path, dtype="float32")
-    torch.manual_seed(0)
-    drafter = BlockDrafter.for_target(target, block_size=4).float()
-    return target, drafter
+@pytest.fixture
+def setup(chat_target_and_drafter):
+    return chat_target_and_drafter
 
 
 def test_continuations_follow_each_turn_and_are_reused(setup, tmp_path):

@@ -15,8 +15,6 @@ from drelay.decoding.replay import ORACLE
 from drelay.eval.live import oracle_hook
 from drelay.eval.report import markdown, plot_acceptance, plot_repair, plot_tau, repair_outcomes
 from drelay.eval.run import AR, CellStore, EvalMethod, folder_fingerprint, run_grid, temperature_key
-from drelay.models.drafter import BlockDrafter
-from drelay.models.target import Target, make_tiny_random_target
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BENCHES = ("gsm8k", "mt_bench")
@@ -29,11 +27,8 @@ def second_at_one(block):  # a repair hook that changes something: position 1 ta
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    path = make_tiny_random_target(tmp_path_factory.mktemp("target") / "tiny", seed=3)
-    target = Target.load(path, dtype="float32")
-    torch.manual_seed(0)
-    drafter = BlockDrafter.for_target(target, block_size=4).float()
+def models(chat_target_and_drafter):
+    target, drafter = chat_target_and_drafter
     methods = {"dflash": EvalMethod(drafter, None, "d1"), "dflash2": EvalMethod(drafter, second_at_one, "s1"),
                ORACLE: EvalMethod(drafter, ORACLE, "d1")}
     return target, methods
