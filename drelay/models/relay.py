@@ -197,6 +197,7 @@ class DRelay(EmbeddingBoundFolder, nn.Module):
     """Reader + selector. `score`: teacher-forced training pass; `select` / `__call__`: the repair hook."""
 
     config_cls, folder_error = RelayConfig, RelayError
+    needs_logits = False  # the engine's repair hook reads only the pool (fused lm_head_topk: no logits)
 
     def __init__(self, cfg: RelayConfig):
         super().__init__()
