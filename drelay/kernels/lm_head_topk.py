@@ -67,6 +67,19 @@ def _lm_head_topk_kernel(x, w, part_vals, part_ids, part_max, part_sum, N, H, V,
     tl.store(part_sum + rows * splits + split, run_sum, mask=row_ok)
 
 
+def launch_config(N: int, H: int, V: int, interpreted: bool):
+    """BLOCK_M, BLOCK_H, BLOCK_V, vocabulary splits and the split's span (a multiple of BLOCK_V).
+
+    Interpreter: big tiles, two splits (each interpreted op costs the same whatever its size).
+    CUDA: 16 x 128 logits per tile (tl.dot's minimum M is 16), 64-wide steps over H, and ~4 tiles per
+    program, so a 152K vocabulary makes ~300 programs for the H200's 132 SMs."""
+    block_m, block_h, block_v = (pow2(N, 16), pow2(H, 16), 128) if interpreted else (16, 64, 128)
+    tiles = triton.cdiv(V, block_v)
+    splits = 2 if interpreted else max(1, tiles // 4)
+    span = triton.cdiv(tiles, splits) * block_v
+    return block_m, block_h, block_v, triton.cdiv(V, span), span
+
+
 def lm_head_topk_logits(hidden: torch.Tensor, weight: torch.Tensor, k: int):
     """The fused pass on (N, H) rows: top-k logits (N, k) fp32 sorted descending, their ids (N, k) int64
     and lse (N,) fp32. `lm_head_topk` and `support_loss` share it."""
@@ -76,14 +89,7 @@ def lm_head_topk_logits(hidden: torch.Tensor, weight: torch.Tensor, k: int):
     V = weight.shape[0]
     if not 1 <= k <= V:
         raise ValueError(f"k must be in [1, V={V}], got {k}")
-    # Interpreter: big tiles, two splits (each interpreted op costs the same whatever its size).
-    # CUDA: 16 x 128 logits per tile (tl.dot's minimum M is 16), 64-wide steps over H, and ~4 tiles
-    # per program, so a 152K vocabulary makes ~300 programs for the H200's 132 SMs.
-    block_m, block_h, block_v = (pow2(N, 16), pow2(H, 16), 128) if interpreting() else (16, 64, 128)
-    tiles = triton.cdiv(V, block_v)
-    splits = 2 if interpreting() else max(1, tiles // 4)
-    span = triton.cdiv(tiles, splits) * block_v
-    splits = triton.cdiv(V, span)
+    block_m, block_h, block_v, splits, span = launch_config(N, H, V, interpreting())
     device = hidden.device
     part_vals = torch.empty(N, splits, k, dtype=torch.float32, device=device)
     part_ids = torch.empty(N, splits, k, dtype=torch.int32, device=device)

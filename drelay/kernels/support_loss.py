@@ -22,6 +22,8 @@ from drelay.kernels.lm_head_topk import lm_head_topk_logits
 from drelay.training.data import IGNORE
 from drelay.training.losses import position_weights
 
+CUDA_CHUNK = 8192  # vocabulary columns per backward step on CUDA: N x 8192 fp32 logits at a time
+
 
 @triton.jit
 def _support_grad_kernel(z, lse, softmax_coef, label, label_coef, rival, rival_coef, N, C, v0,
@@ -103,7 +105,7 @@ def support_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     V = weight.shape[0]
     if not 1 <= k < V:
         raise ValueError(f"k must be in [1, V-1={V - 1}], got {k}")
-    chunk = chunk_size or (256 if interpreting() else 8192)
+    chunk = chunk_size or (256 if interpreting() else CUDA_CHUNK)
     n = labels.shape[-1]
     row_weights = position_weights(n, gamma, labels.device).expand(labels.shape).reshape(-1)
     ce, hinge, pool_ids, pool_logprobs = _SupportLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
