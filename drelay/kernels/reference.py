@@ -13,6 +13,7 @@ On CPU `auto` is the reference, so CPU numbers are exactly what the plain torch 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -53,13 +54,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
             raise RuntimeError(f"{ENV_VAR}=triton needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                                f"triton is imported (CPU interpreter)")
         return True
-    if not on_cuda:
-        return False
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return on_cuda and importlib.util.find_spec("triton") is not None
 
 
 def kernel(op: str, *tensors: torch.Tensor) -> Callable:
@@ -87,6 +82,15 @@ class SelectorWeights:
     prefix_proj: torch.Tensor | None  # (R, d) bilinear prefix factor, None when R = 0
 
 
+def keep_or_replace(sigma: torch.Tensor, margin: float) -> torch.Tensor:
+    """σ (b, k) -> the chosen pool index (b,): the native 0 unless the best alternative beats it by > margin."""
+    j = torch.zeros(sigma.shape[0], dtype=torch.long, device=sigma.device)
+    if sigma.shape[1] > 1:
+        best, alt = sigma[:, 1:].max(-1)
+        j = torch.where(best - sigma[:, 0] > margin, alt + 1, j)
+    return j
+
+
 def relay_select_ref(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_hidden: torch.Tensor,
                      weights: SelectorWeights, cand_factor: torch.Tensor | None = None,
                      logprobs: torch.Tensor | None = None, margin: float = 0.0):
@@ -104,7 +108,7 @@ def relay_select_ref(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_h
 
     Returns choice (b, n) (0-based pool index) and σ (b, n, k).
     """
-    b, n, k, _ = cand_hidden.shape
+    n = cand_hidden.shape[1]
     w = weights
     width = w.w_hh.shape[1]
     gi = start_gates[:, None]  # (b, 1, 3d)
@@ -124,10 +128,7 @@ def relay_select_ref(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_h
         if logprobs is not None:
             sigma = sigma + logprobs[:, i: i + 1]
         sigma = sigma[:, 0]  # (b, k)
-        j = torch.zeros(b, dtype=torch.long, device=sigma.device)
-        if k > 1:
-            best, alt = sigma[:, 1:].max(-1)
-            j = torch.where(best - sigma[:, 0] > margin, alt + 1, j)
+        j = keep_or_replace(sigma, margin)
         choices.append(j)
         scores.append(sigma)
         gi = cand_gates[:, i].gather(1, j[:, None, None].expand(-1, 1, cand_gates.shape[-1]))  # (b, 1, 3d)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drelay.kernels.reference import SelectorWeights, candidate_pool, kernel
+from drelay.kernels.reference import SelectorWeights, candidate_pool, keep_or_replace, kernel
 from drelay.models.folder import EmbeddingBoundFolder, SharedEmbedding
 
 if TYPE_CHECKING:
@@ -294,15 +294,12 @@ class DRelay(EmbeddingBoundFolder, nn.Module):
         """`select` step by step through the prefix model's own forward (the attention prefix model, or a
         prefix fed `prefix_ids`): choice (b, n), σ (b, n, k)."""
         sel = self.selector
-        b, n, k = pool_ids.shape
+        n = pool_ids.shape[1]
         state, choices, scores = None, [], []
         for i in range(n):
             r, state = sel.prefix_states(x, state)  # (b, 1, d)
             sigma = sel.score_terms(tuple(t[:, i: i + 1] if t is not None else None for t in terms), r)[:, 0]  # (b, k)
-            j = torch.zeros(b, dtype=torch.long, device=sigma.device)
-            if k > 1:
-                best, alt = sigma[:, 1:].max(-1)
-                j = torch.where(best - sigma[:, 0] > margin, alt + 1, j)
+            j = keep_or_replace(sigma, margin)
             choices.append(j)
             scores.append(sigma)
             if i < n - 1:
