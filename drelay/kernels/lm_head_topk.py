@@ -14,33 +14,33 @@ import torch
 import triton
 import triton.language as tl
 
-from drelay.kernels.launch import check, interpreting, pow2
+from drelay.kernels.launch import check, compute_dtype, interpreting, pow2
 
 
 @triton.jit
 def _lm_head_topk_kernel(x, w, part_vals, part_ids, part_max, part_sum, N, H, V, span, splits,
                          K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_V: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, ACC: tl.constexpr, PRECISION: tl.constexpr):
     pid_m, split = tl.program_id(0), tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < N
     slots = tl.arange(0, BLOCK_K)
-    top_vals = tl.full([BLOCK_M, BLOCK_K], float("-inf"), tl.float32)
+    top_vals = tl.full([BLOCK_M, BLOCK_K], float("-inf"), ACC)
     top_ids = tl.full([BLOCK_M, BLOCK_K], 2147483647, tl.int32)
-    run_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    run_sum = tl.zeros([BLOCK_M], tl.float32)
+    run_max = tl.full([BLOCK_M], float("-inf"), ACC)
+    run_sum = tl.zeros([BLOCK_M], ACC)
     start = split * span
     for v0 in range(start, tl.minimum(start + span, V), BLOCK_V):
         vocab = v0 + tl.arange(0, BLOCK_V)
         vocab_ok = vocab < V
-        z = tl.zeros([BLOCK_M, BLOCK_V], tl.float32)
+        z = tl.zeros([BLOCK_M, BLOCK_V], ACC)
         for h0 in range(0, H, BLOCK_H):
             hs = h0 + tl.arange(0, BLOCK_H)
             h_ok = hs < H
             xt = tl.load(x + rows[:, None] * H + hs[None, :], mask=row_ok[:, None] & h_ok[None, :], other=0.0)
             wt = tl.load(w + vocab[None, :].to(tl.int64) * H + hs[:, None], mask=vocab_ok[None, :] & h_ok[:, None],
                          other=0.0)  # (BLOCK_H, BLOCK_V) = W^T tile
-            z = tl.dot(xt, wt, z, input_precision="ieee")  # fp32 inputs: exact fp32, not tf32
+            z = tl.dot(xt, wt, z, input_precision=PRECISION, out_dtype=ACC)
         z = tl.where(vocab_ok[None, :], z, float("-inf"))
         # running log-sum-exp parts
         new_max = tl.maximum(run_max, tl.max(z, axis=1))
@@ -48,7 +48,7 @@ def _lm_head_topk_kernel(x, w, part_vals, part_ids, part_max, part_sum, N, H, V,
         run_max = new_max
         # merge the tile into the running top-k: K rounds of taking the largest (lowest id on ties)
         tile_ids = tl.broadcast_to(vocab[None, :], [BLOCK_M, BLOCK_V])
-        merged_vals = tl.full([BLOCK_M, BLOCK_K], float("-inf"), tl.float32)
+        merged_vals = tl.full([BLOCK_M, BLOCK_K], float("-inf"), ACC)
         merged_ids = tl.full([BLOCK_M, BLOCK_K], 2147483647, tl.int32)
         for slot in tl.static_range(K):
             best = tl.maximum(tl.max(z, axis=1), tl.max(top_vals, axis=1))  # (BLOCK_M,)
@@ -98,7 +98,10 @@ def lm_head_topk_logits(hidden: torch.Tensor, weight: torch.Tensor, k: int):
     grid = (triton.cdiv(N, block_m), splits)
     _lm_head_topk_kernel[grid](hidden.contiguous(), weight.contiguous(), part_vals, part_ids, part_max, part_sum,
                                N, H, V, span, splits, K=k, BLOCK_M=block_m, BLOCK_H=block_h, BLOCK_V=block_v,
-                               BLOCK_K=pow2(k), num_warps=4)
+                               BLOCK_K=pow2(k), ACC=compute_dtype(hidden.dtype),
+                               # fp32/fp64 inputs: exact products (tf32 would reorder near-tied candidates)
+                               PRECISION="ieee" if hidden.dtype in (torch.float32, torch.float64) else "tf32",
+                               num_warps=4)
     # merge the splits: (N, splits * k) candidates -> top k; log-sum-exp of the per-split parts
     vals, where = part_vals.view(N, -1).topk(k, dim=-1)
     ids = part_ids.view(N, -1).gather(1, where).long()

@@ -15,17 +15,17 @@ import torch
 import triton
 import triton.language as tl
 
-from drelay.kernels.launch import check, interpreting
+from drelay.kernels.launch import check, compute_dtype, interpreting
 
 
 @triton.jit
-def _row_argmax(row_ptr, V, BLOCK_V: tl.constexpr):
+def _row_argmax(row_ptr, V, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
     """First index of the row's maximum, streamed over the vocabulary (ties go to the lower index)."""
-    best = tl.full([], float("-inf"), tl.float32)
+    best = tl.full([], float("-inf"), ACC)
     best_idx = tl.full([], 0, tl.int32)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(row_ptr + offs, mask=offs < V, other=float("-inf")).to(ACC)
         m = tl.max(x, axis=0)
         take = m > best
         best_idx = tl.where(take, tl.argmax(x, axis=0) + v0, best_idx)
@@ -49,7 +49,7 @@ def _row_softmax_stats(row_ptr, V, temperature, BLOCK_V: tl.constexpr):
 
 @triton.jit
 def _verify_kernel(draft, logits, temperature_ptr, accept_u, noise, accept_out, next_out, n, V,
-                   SAMPLE: tl.constexpr, BLOCK_V: tl.constexpr):
+                   SAMPLE: tl.constexpr, BLOCK_V: tl.constexpr, ACC: tl.constexpr):
     row = tl.program_id(0)
     rows = logits + row.to(tl.int64) * (n + 1) * V
     accept = row * 0  # accepted draft tokens so far (int32 scalar)
@@ -70,7 +70,7 @@ def _verify_kernel(draft, logits, temperature_ptr, accept_u, noise, accept_out, 
                 s_last = s
                 token = d
             else:
-                token = _row_argmax(rows + i * V, V, BLOCK_V)
+                token = _row_argmax(rows + i * V, V, BLOCK_V, ACC)
                 hit = token == d
             accept = tl.where(hit, accept + 1, accept)
     if SAMPLE:
@@ -116,7 +116,7 @@ def verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor, temperature:
         accept_uniforms.double().contiguous() if sample else temp,
         noise.double().contiguous() if sample else temp,
         accept_len, next_token, n, V,
-        SAMPLE=sample,
+        SAMPLE=sample, ACC=compute_dtype(target_logits.dtype),
         # CUDA: 4K-wide chunks stream a 152K-vocab row in ~40 steps; the interpreter likes fewer, wider ones
         BLOCK_V=min(triton.next_power_of_2(V), 8192 if interpreting() else 4096),
         num_warps=8,

@@ -14,10 +14,12 @@ from tests.kernels.conftest import close
 @pytest.mark.parametrize("lead, H, V, k", [((2, 7), 24, 1001, 5), ((3,), 40, 130, 8), ((1, 1), 17, 9, 9),
                                            ((5, 3), 16, 300, 1)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_kernel_matches_reference(device, lead, H, V, k, seed):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kernel_matches_reference(device, lead, H, V, k, seed, dtype):
+    """Outputs are fp32 in both (the pool's log-probs), whatever the input dtype."""
     gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(*lead, H, generator=gen).to(device)
-    weight = torch.randn(V, H, generator=gen).to(device)
+    hidden = torch.randn(*lead, H, generator=gen, dtype=dtype).to(device)
+    weight = torch.randn(V, H, generator=gen, dtype=dtype).to(device)
     ids, logprobs, lse = lm_head_topk(hidden, weight, k)
     ref_ids, ref_logprobs, ref_lse = lm_head_topk_ref(hidden, weight, k)
     assert ids.shape == logprobs.shape == (*lead, k) and lse.shape == lead and ids.dtype == torch.long

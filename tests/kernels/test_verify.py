@@ -73,6 +73,16 @@ def test_a_rejected_token_holding_all_the_mass_is_kept(device):
         assert accept_len.tolist() == [0] and next_token.tolist() == [7]
 
 
+def test_greedy_separates_logits_that_only_float64_tells_apart(device):
+    """float64 logits are compared in float64: a 1e-12 lead is a lead (fp32 would tie it to index 0)."""
+    logits = torch.zeros(1, 2, 40, dtype=torch.float64, device=device)
+    logits[0, :, 0], logits[0, :, 29] = 1.0, 1.0 + 1e-12
+    draft = torch.tensor([[29]], device=device)
+    for impl in (verify, verify_ref):
+        accept_len, next_token = impl(draft, logits)
+        assert accept_len.tolist() == [1] and next_token.tolist() == [29]
+
+
 def test_launcher_names_the_bad_argument(device):
     draft, logits = _block(2, 3, 20, 0, device)
     with pytest.raises(ValueError, match=r"target_logits must have shape \(2, 4, \*\)"):
