@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+# Triton's CPU interpreter for tests/kernels. It must be on before triton is first imported (its own
+# library functions are decorated then), and transformers imports triton, so it is set here, for the
+# whole session. Harmless elsewhere: on CPU nothing but tests/kernels launches a Triton kernel (the
+# kernels' dispatch defaults to the torch reference there). TRITON_INTERPRET=0 runs them compiled on CUDA.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from drelay.models.target import Target
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from drelay.models.target import Target  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

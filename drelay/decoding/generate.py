@@ -18,9 +18,9 @@ from typing import Callable
 
 import torch
 
-from drelay.decoding.verify import greedy_accept, rejection_accept, sample_tokens, target_probs
+from drelay.decoding.verify import rejection_accept, residual_noise, sample_tokens, target_probs
+from drelay.kernels.reference import kernel, use_triton
 from drelay.models.drafter import BlockDrafter, DraftContextCache
-from drelay.models.relay import candidate_pool
 from drelay.models.target import Target
 
 
@@ -35,12 +35,14 @@ class DraftBlock:
     anchor_ids: torch.Tensor  # (b,) last committed token
     anchor_pos: torch.Tensor  # (b,) its position; draft i sits at anchor_pos + i
     hidden: torch.Tensor  # (b, B-1, H) drafter hidden h_i
-    logits: torch.Tensor  # (b, B-1, V) drafter logits z_i
+    logits: torch.Tensor | None  # (b, B-1, V) drafter logits z_i; None for a repair with needs_logits = False
     pool_ids: torch.Tensor  # (b, B-1, k) top-k candidates, column 0 = native top-1
     pool_logprobs: torch.Tensor  # (b, B-1, k) their log-probabilities under softmax(z_i)
 
 
 Repair = Callable[[DraftBlock], torch.Tensor]  # DraftBlock -> draft tokens (b, B-1)
+# A repair whose `needs_logits` attribute is False reads only the pool (DRelay): with the fused
+# lm_head_topk kernel the engine then never materialises the block's [B-1 x V] logits.
 
 
 @dataclass
@@ -170,9 +172,22 @@ class SpeculativeDecoder:
     def propose(self, state: DecodeState) -> DraftBlock:
         """Drafter forward and candidate pool for the next block."""
         anchor_pos = torch.tensor([state.anchor_pos], device=self.target.device)
-        hidden, logits = self.drafter.draft(state.draft_cache, state.anchor, anchor_pos, self.block_size)
-        pool_ids, pool_logprobs = candidate_pool(logits, self.pool_size)  # (b, B-1, k), sorted
+        hidden = self.drafter.draft_hidden(state.draft_cache, state.anchor, anchor_pos, self.block_size)
+        needs_logits = self.repair is not None and getattr(self.repair, "needs_logits", True)
+        logits, pool_ids, pool_logprobs = self.drafter.pool(hidden, self.pool_size, needs_logits)  # (b, B-1, k)
         return DraftBlock(state.anchor, anchor_pos, hidden, logits, pool_ids, pool_logprobs)
+
+    def accept(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor):
+        """accept_len, next_token (b,) for the verification rows (DESIGN §1.5): the verify op at T = 0
+        and, on its Triton path, for the residual rule (fed the very draws `rejection_accept` makes)."""
+        if self.temperature == 0:
+            return kernel("verify", target_logits)(draft_tokens, target_logits)
+        if self.sampling_rule == "residual" and use_triton(target_logits):
+            uniforms, noise = residual_noise(draft_tokens.shape, target_logits.shape[-1], self.generator,
+                                             target_logits.device)
+            return kernel("verify", target_logits)(draft_tokens, target_logits, self.temperature, uniforms, noise)
+        probs = target_probs(target_logits, self.temperature)
+        return rejection_accept(draft_tokens, probs, self.generator, self.sampling_rule)
 
     @torch.inference_mode()
     def step(self, state: DecodeState, stats: GenerationStats | None = None) -> StepRecord:
@@ -187,11 +202,7 @@ class SpeculativeDecoder:
         inputs = torch.cat([state.anchor[:, None], draft_tokens], dim=1)  # (1, B)
         positions = state.anchor_pos + torch.arange(self.block_size, device=inputs.device)[None]
         out = self.target.forward(inputs, state.target_cache, position_ids=positions)
-        if self.temperature == 0:
-            accept_len, next_token = greedy_accept(draft_tokens, out.logits)
-        else:
-            probs = target_probs(out.logits, self.temperature)
-            accept_len, next_token = rejection_accept(draft_tokens, probs, self.generator, self.sampling_rule)
+        accept_len, next_token = self.accept(draft_tokens, out.logits)
         a = int(accept_len[0])
         # Commit: the target cache keeps anchor + d_1..d_a; the drafter learns their features.
         self.target.crop(state.target_cache, n - a)

@@ -45,15 +45,33 @@ def rejection_accept(draft_tokens: torch.Tensor, probs: torch.Tensor, generator:
     """
     if rule not in SAMPLING_RULES:
         raise ValueError(f"unknown sampling rule {rule!r}; expected one of {SAMPLING_RULES}")
-    b, n = draft_tokens.shape
-    rows = torch.arange(b, device=probs.device)
     if rule == "match":
+        b, n = draft_tokens.shape
+        rows = torch.arange(b, device=probs.device)
         samples = torch.multinomial(probs.reshape(b * (n + 1), -1), 1, generator=generator).view(b, n + 1)
         accept_len = (samples[:, :-1] == draft_tokens).long().cumprod(dim=1).sum(dim=1)
         return accept_len, samples[rows, accept_len]
 
+    uniforms, noise = residual_noise(draft_tokens.shape, probs.shape[-1], generator, probs.device, probs.dtype)
+    return residual_accept(draft_tokens, probs, uniforms, noise)
+
+
+def residual_noise(draft_shape, vocab_size: int, generator: torch.Generator | None = None, device=None,
+                   dtype: torch.dtype = torch.float64):
+    """The randomness of the residual rule, in the order it is drawn: acceptance uniforms (b, n) and
+    Exp(1) noise (b, V) for the one draw from the residual, in p's dtype. torch.multinomial draws one sample
+    as argmax(p / q) with q ~ Exp(1) of p's shape, so these are exactly the draws it would make."""
+    uniforms = torch.rand(draft_shape, generator=generator, dtype=dtype, device=device)
+    noise = torch.empty(draft_shape[0], vocab_size, dtype=dtype, device=device)
+    return uniforms, noise.exponential_(1, generator=generator)
+
+
+def residual_accept(draft_tokens: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor, noise: torch.Tensor):
+    """The residual rule with its randomness given (see `rejection_accept` and `residual_noise`):
+    draft_tokens (b, n), probs (b, n+1, V), uniforms (b, n), noise (b, V) -> accept_len, next_token (b,)."""
+    b, n = draft_tokens.shape
+    rows = torch.arange(b, device=probs.device)
     p_draft = probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (b, n)
-    uniforms = torch.rand(b, n, generator=generator, dtype=probs.dtype, device=probs.device)
     accept_len = (uniforms < p_draft).long().cumprod(dim=1).sum(dim=1)
     next_probs = probs[rows, accept_len].clone()  # (b, V): row after the accepted prefix
     rejected = accept_len < n
@@ -63,7 +81,7 @@ def rejection_accept(draft_tokens: torch.Tensor, probs: torch.Tensor, generator:
     mass = next_probs.sum(dim=-1, keepdim=True)
     # A rejected token that held all the mass cannot be rejected except through rounding; keep p then.
     next_probs = torch.where(mass > 0, next_probs, probs[rows, accept_len])
-    next_token = torch.multinomial(next_probs, 1, generator=generator).squeeze(1)
+    next_token = (next_probs / noise).argmax(dim=-1)  # a draw from next_probs (as torch.multinomial)
     return accept_len, next_token
 
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drelay.kernels.reference import candidate_pool, kernel, use_triton
 from drelay.models.folder import load_folder, save_folder
 from drelay.models.target import Target, context_layer_ids
 
@@ -248,12 +249,33 @@ class BlockDrafter(nn.Module):
     def draft(self, cache: DraftContextCache, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
               block_size: int | None = None):
         """Draft one block. anchor_ids, anchor_pos: (b,). Returns hidden, logits for positions 1..B-1."""
+        hidden = self.draft_hidden(cache, anchor_ids, anchor_pos, block_size)
+        return hidden, self.logits(hidden)
+
+    @torch.inference_mode()
+    def draft_hidden(self, cache: DraftContextCache, anchor_ids: torch.Tensor, anchor_pos: torch.Tensor,
+                     block_size: int | None = None) -> torch.Tensor:
+        """Hidden states (b, B-1, H) of one drafted block (positions 1..B-1)."""
         block_size = block_size or self.config.block_size
         embeds = self.block_embeddings(anchor_ids, block_size)
         positions = anchor_pos[:, None] + torch.arange(block_size, device=anchor_pos.device)
         ctx_kv = list(zip(cache.keys, cache.values))
-        hidden = self.forward_block(embeds, positions, ctx_kv)[:, 1:]  # (b, B-1, H)
-        return hidden, self.logits(hidden)
+        return self.forward_block(embeds, positions, ctx_kv)[:, 1:]
+
+    @torch.inference_mode()
+    def pool(self, hidden: torch.Tensor, k: int, with_logits: bool = True):
+        """logits (..., V) or None, pool_ids, pool_logprobs (..., k) of hidden (..., H) (DESIGN §1.2).
+
+        The reference path computes the logits and takes their top-k (`candidate_pool`). The fused
+        `lm_head_topk` kernel (Triton path) never materialises them: then logits are computed only
+        when `with_logits` asks for them (a repair head that reads the whole distribution)."""
+        normed = self.norm(hidden)
+        head = self.shared.lm_head
+        if getattr(head, "bias", None) is not None or not use_triton(normed):
+            logits = head(normed)
+            return (logits, *candidate_pool(logits, k))
+        pool_ids, pool_logprobs, _ = kernel("lm_head_topk", normed)(normed.to(head.weight.dtype), head.weight, k)
+        return (head(normed) if with_logits else None), pool_ids, pool_logprobs
 
     def forward_anchored(self, ctx_kv, anchors: torch.Tensor, anchor_ids: torch.Tensor,
                          block_size: int | None = None) -> torch.Tensor:

@@ -27,23 +27,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drelay.kernels.reference import SelectorWeights, candidate_pool, keep_or_replace, kernel
 from drelay.models.folder import EmbeddingBoundFolder, SharedEmbedding
 
-if TYPE_CHECKING:  # generate.py may import candidate_pool from here
+if TYPE_CHECKING:
     from drelay.decoding.generate import DraftBlock
+
+__all__ = ["DRelay", "RelayConfig", "RelayError", "candidate_pool"]  # candidate_pool: re-exported
 
 MIN_LOGPROB = -30.0  # pool log-probs are clamped here before f(s): lower all means "never"
 
 
 class RelayError(RuntimeError):
     """A relay folder that is missing or corrupt, or a block the relay cannot read."""
-
-
-def candidate_pool(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(..., n, V) logits -> pool_ids, pool_logprobs (..., n, k): top-k of log_softmax in fp32,
-    sorted by log-prob, so column 0 is the native top-1 choice (DESIGN §1.2)."""
-    pool_logprobs, pool_ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return pool_ids, pool_logprobs
 
 
 @dataclass
@@ -155,10 +151,17 @@ class CausalSelector(nn.Module):
             out = self.prefix(state, causal=True)[:, -inputs.shape[1]:]
         return self.prefix_norm(out), state
 
-    def gru_stepper(self, candidate_inputs: torch.Tensor) -> "_GRUStepper":
-        """The GRU prefix model one step at a time, with the input side of every candidate's gates
-        precomputed in one matmul (inference: the sequential loop only multiplies the state)."""
-        return _GRUStepper(self, candidate_inputs)
+    def gru_input_gates(self, inputs: torch.Tensor) -> torch.Tensor:
+        """The input side W_i x + b_i (..., 3d) of the GRU's gates for prefix inputs x (..., d): computed
+        for every candidate at once, so the sequential loop only multiplies the state."""
+        return F.linear(inputs, self.prefix.weight_ih_l0, self.prefix.bias_ih_l0)
+
+    def gru_weights(self) -> SelectorWeights:
+        """The GRU prefix model and the r-dependent parts of σ as plain tensors (the relay_select op)."""
+        gru, first, last, d = self.prefix, self.score_mlp[0], self.score_mlp[2], self.prefix_norm.weight.shape[0]
+        return SelectorWeights(gru.weight_hh_l0, gru.bias_hh_l0, self.prefix_norm.weight, self.prefix_norm.bias,
+                               self.prefix_norm.eps, first.weight[:, d:], last.weight, last.bias,
+                               self.prefix_proj.weight if self.bilinear_rank else None)
 
     def candidate_terms(self, g: torch.Tensor, logprobs: torch.Tensor) -> tuple:
         """The parts of σ that depend on the candidates alone, computed once per block: the MLP's first
@@ -190,36 +193,11 @@ class CausalSelector(nn.Module):
         return self.score(g, self.prefix_states(inputs)[0], logprobs)
 
 
-class _GRUStepper:
-    """nn.GRU's update, h' = (1 - z) * n + z * h with r, z = σ(W_i x + b_i + W_h h + b_h) and
-    n = tanh(W_in x + b_in + r * (W_hn h + b_hn)), unrolled by hand so that W_i x is computed once for
-    all candidates. Called with the input gates W_i x + b_i of the token fed (a row of `input_gates`,
-    or `gates(anchor input)` first); returns (LayerNorm(h'), h') like `prefix_states`."""
-
-    def __init__(self, selector: CausalSelector, candidate_inputs: torch.Tensor):
-        gru = selector.prefix
-        self.w_ih, self.w_hh, self.b_ih, self.b_hh = gru.weight_ih_l0, gru.weight_hh_l0, gru.bias_ih_l0, gru.bias_hh_l0
-        self.norm = selector.prefix_norm
-        self.width = self.w_hh.shape[1]
-        self.input_gates = self.gates(candidate_inputs)  # (b, n, k, 3d)
-
-    def gates(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.w_ih, self.b_ih)  # (..., 3d)
-
-    def __call__(self, gi: torch.Tensor, state: torch.Tensor | None):
-        h = torch.zeros_like(gi[..., : self.width]) if state is None else state  # (b, 1, d)
-        gh = F.linear(h, self.w_hh, self.b_hh)
-        i_r, i_z, i_n = gi.chunk(3, -1)
-        h_r, h_z, h_n = gh.chunk(3, -1)
-        r, z = torch.sigmoid(i_r + h_r), torch.sigmoid(i_z + h_z)
-        h = (1 - z) * torch.tanh(i_n + r * h_n) + z * h
-        return self.norm(h), h
-
-
 class DRelay(EmbeddingBoundFolder, nn.Module):
     """Reader + selector. `score`: teacher-forced training pass; `select` / `__call__`: the repair hook."""
 
     config_cls, folder_error = RelayConfig, RelayError
+    needs_logits = False  # the engine's repair hook reads only the pool (fused lm_head_topk: no logits)
 
     def __init__(self, cfg: RelayConfig):
         super().__init__()
@@ -295,34 +273,41 @@ class DRelay(EmbeddingBoundFolder, nn.Module):
         """
         margin = self.config.margin if margin is None else margin
         pool_ids = block.pool_ids
-        b, n, k = pool_ids.shape
         g, _ = self.read(block.hidden, pool_ids, block.pool_logprobs)  # (b, n, k, d)
         sel = self.selector
         terms = sel.candidate_terms(g, block.pool_logprobs)  # the candidate-only parts of σ, once
         # the prefix input each candidate would feed if chosen (chosen tokens are always in the pool)
         chosen_inputs = sel.prefix_inputs(self.embed(pool_ids), g, torch.ones_like(pool_ids, dtype=torch.bool))
-        x, state = sel.prefix_inputs(self.embed(block.anchor_ids[:, None])), None  # (b, 1, d)
-        step = sel.gru_stepper(chosen_inputs) if sel.kind == "gru" and prefix_ids is None else None
-        if step is not None:
-            x = step.gates(x)  # the stepper is fed input gates throughout
-        tokens, scores = [], []
+        anchor = sel.prefix_inputs(self.embed(block.anchor_ids[:, None]))  # (b, 1, d)
+        if sel.kind == "gru" and prefix_ids is None:  # the whole loop in one op (one launch on CUDA)
+            cand_hidden, cand_factor, logprobs = terms
+            select = kernel("relay_select", cand_hidden)
+            choice, sigma = select(sel.gru_input_gates(anchor[:, 0]), sel.gru_input_gates(chosen_inputs),
+                                   cand_hidden, sel.gru_weights(), cand_factor,
+                                   logprobs if sel.residual else None, margin)
+        else:
+            choice, sigma = self._select_loop(g, terms, chosen_inputs, anchor, pool_ids, prefix_ids, margin)
+        tokens = pool_ids.gather(-1, choice[..., None]).squeeze(-1)  # (b, n)
+        return (tokens, sigma) if return_scores else tokens
+
+    def _select_loop(self, g, terms, chosen_inputs, x, pool_ids, prefix_ids, margin):
+        """`select` step by step through the prefix model's own forward (the attention prefix model, or a
+        prefix fed `prefix_ids`): choice (b, n), σ (b, n, k)."""
+        sel = self.selector
+        n = pool_ids.shape[1]
+        state, choices, scores = None, [], []
         for i in range(n):
-            r, state = sel.prefix_states(x, state) if step is None else step(x, state)  # (b, 1, d)
+            r, state = sel.prefix_states(x, state)  # (b, 1, d)
             sigma = sel.score_terms(tuple(t[:, i: i + 1] if t is not None else None for t in terms), r)[:, 0]  # (b, k)
-            j = torch.zeros(b, dtype=torch.long, device=sigma.device)
-            if k > 1:
-                best, alt = sigma[:, 1:].max(-1)
-                j = torch.where(best - sigma[:, 0] > margin, alt + 1, j)
-            tokens.append(pool_ids[:, i].gather(1, j[:, None]))  # (b, 1)
+            j = keep_or_replace(sigma, margin)
+            choices.append(j)
             scores.append(sigma)
             if i < n - 1:
-                if prefix_ids is None:  # the chosen candidate's input (or its precomputed GRU input gates)
-                    source = chosen_inputs if step is None else step.input_gates
-                    x = source[:, i].gather(1, j[:, None, None].expand(-1, 1, source.shape[-1]))  # (b, 1, ·)
+                if prefix_ids is None:  # the chosen candidate's input
+                    x = chosen_inputs[:, i].gather(1, j[:, None, None].expand(-1, 1, chosen_inputs.shape[-1]))
                 else:
                     x = self._inputs(g[:, i: i + 1], pool_ids[:, i: i + 1], prefix_ids[:, i: i + 1])
-        tokens = torch.cat(tokens, dim=1)  # (b, n)
-        return (tokens, torch.stack(scores, dim=1)) if return_scores else tokens
+        return torch.stack(choices, dim=1), torch.stack(scores, dim=1)
 
     def forward(self, block: DraftBlock) -> torch.Tensor:
         """The engine's repair hook: `speculative_generate(..., repair=relay)`."""

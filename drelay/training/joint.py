@@ -31,12 +31,13 @@ import torch
 from drelay.config import JOINT_METHODS, JointConfig, TrainConfig
 from drelay.decoding.generate import Repair
 from drelay.decoding.replay import ORACLE, ReplayStats, replay
+from drelay.kernels.reference import kernel, use_triton
 from drelay.models.drafter import BlockDrafter
 from drelay.models.heads import RepairHead, load_head, make_head
 from drelay.models.relay import DRelay, candidate_pool
 from drelay.training.data import BlockBatch, make_batch
 from drelay.training.distill import Sequence
-from drelay.training.losses import dflash_ce, drelay_loss
+from drelay.training.losses import dflash_ce, drelay_loss, drelay_loss_from_terms
 from drelay.training.trainer import (CHECKPOINT, Logger, block_hidden, load_checkpoint, lr_at, optimizer_step,
                                      sample_batch, save_checkpoint)
 
@@ -109,6 +110,8 @@ def joint_loss(drafter: BlockDrafter, head: Head | None, batch: BlockBatch, cfg:
     (`progress`, the share of training done, drives schedules such as Domino's λ)."""
     hidden = block_hidden(drafter, batch)  # (b, nA, B-1, H)
     with torch.autocast(batch.features.device.type, dtype=torch.bfloat16):
+        if isinstance(head, DRelay) and use_triton(hidden):  # fused: CE, hinge and pool without the logits
+            return _fused_drelay_loss(drafter, head, hidden, batch, cfg, gamma, pool_size)
         logits = drafter.logits(hidden)  # (b, nA, B-1, V)
         if head is None:
             ce, _ = dflash_ce(logits, batch.labels, gamma)
@@ -121,6 +124,19 @@ def joint_loss(drafter: BlockDrafter, head: Head | None, batch: BlockBatch, cfg:
     return drelay_loss(logits, batch.labels, sigma, support, pool_ids, gamma=gamma,
                        lambda_support=cfg.lambda_support, lambda_repair=cfg.lambda_repair,
                        hinge_margin=cfg.hinge_margin, eps=cfg.eps)
+
+
+def _fused_drelay_loss(drafter: BlockDrafter, relay: DRelay, hidden: torch.Tensor, batch: BlockBatch,
+                       cfg: JointConfig, gamma: float, pool_size: int):
+    """`drelay_loss` through the support_loss kernel: the same terms, the logits never materialised (they
+    stay fp32 inside the kernel, where autocast would round them to bf16)."""
+    normed = drafter.norm(hidden)
+    weight = drafter.shared.lm_head.weight
+    ce, hinge, pool_ids, pool_logprobs = kernel("support_loss", normed)(
+        normed.to(weight.dtype), weight, batch.labels, pool_size, gamma, cfg.hinge_margin)
+    sigma, support = relay.score(hidden, pool_ids, pool_logprobs, batch.anchor_ids, batch.labels)
+    return drelay_loss_from_terms(ce, hinge, batch.labels, sigma, support, pool_ids, lambda_support=cfg.lambda_support,
+                                  lambda_repair=cfg.lambda_repair, eps=cfg.eps)
 
 
 def replay_bf16(drafter: BlockDrafter, sequences: list[Sequence], pool_size: int,

@@ -108,6 +108,15 @@ def drelay_loss(logits: torch.Tensor, labels: torch.Tensor, sigma: torch.Tensor,
     """
     ce, _ = dflash_ce(logits, labels, gamma)
     hinge = support_hinge(logits, labels, pool_ids.shape[-1], hinge_margin)
+    return drelay_loss_from_terms(ce, hinge, labels, sigma, support_logits, pool_ids, lambda_support=lambda_support,
+                                  lambda_repair=lambda_repair, eps=eps)
+
+
+def drelay_loss_from_terms(ce: torch.Tensor, hinge: torch.Tensor, labels: torch.Tensor, sigma: torch.Tensor,
+                           support_logits: torch.Tensor, pool_ids: torch.Tensor, *, lambda_support: float = 1.0,
+                           lambda_repair: float = 1.0, eps: float = 1e-2) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """`drelay_loss` with its vocabulary-sized terms (`dflash_ce`, `support_hinge`) already computed, e.g.
+    by the fused support_loss kernel, which never materialises the logits."""
     bce = reader_bce(support_logits, pool_ids, labels)
     index, in_pool = pool_index(pool_ids, labels)
     pi = torch.softmax(sigma.detach().float(), -1).gather(-1, index[..., None]).squeeze(-1) * in_pool

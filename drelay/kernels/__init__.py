@@ -1,0 +1,1 @@
+"""Fused ops (Triton) with their pure-torch references; `reference.kernel(op, *tensors)` picks one."""

@@ -1,0 +1,68 @@
+"""relay_select: the Triton walk over a block equals the torch loop (choices exactly, σ to tolerance) on
+odd shapes, with and without the bilinear term and the residual log-probs; and DRelay.select through it."""
+
+import pytest
+import torch
+
+from drelay.kernels.reference import SelectorWeights, relay_select_ref
+from drelay.kernels.relay_select import relay_select
+from tests.kernels.conftest import close
+from tests.models.test_relay import _block, _relay
+
+
+def _inputs(b, n, k, d, rank, dtype, device, seed, residual=True):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(dtype=dtype, device=device)
+
+    weights = SelectorWeights(rnd(3 * d, d, scale=0.3), rnd(3 * d, scale=0.1), rnd(d), rnd(d), 1e-5,
+                              rnd(d, d, scale=0.3), rnd(1, d), rnd(1), rnd(rank, d, scale=0.3) if rank else None)
+    return (rnd(b, 3 * d), rnd(b, n, k, 3 * d), rnd(b, n, k, d), weights, rnd(b, n, k, rank) if rank else None,
+            rnd(b, n, k) if residual else None)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("b, n, k, d, rank, residual", [(3, 5, 5, 24, 7, True), (2, 7, 3, 19, 0, False),
+                                                       (1, 1, 1, 8, 2, True)])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kernel_matches_reference(device, dtype, b, n, k, d, rank, residual, seed):
+    args = _inputs(b, n, k, d, rank, dtype, device, seed, residual)
+    for margin in (0.0, 0.4):
+        choice, sigma = relay_select(*args, margin=margin)
+        ref_choice, ref_sigma = relay_select_ref(*args, margin=margin)
+        assert choice.dtype == torch.long and choice.shape == (b, n) and sigma.shape == (b, n, k)
+        close(sigma, ref_sigma)
+        assert torch.equal(choice, ref_choice)
+    if k > 1:  # the inputs make the decisions non-trivial: some positions replace the native
+        assert bool((relay_select_ref(*args, margin=0.0)[0] > 0).any())
+
+
+def test_a_large_margin_keeps_every_native(device):
+    args = _inputs(2, 4, 4, 16, 4, torch.float32, device, seed=3)
+    choice, _ = relay_select(*args, margin=1e9)
+    assert not bool(choice.any())
+
+
+def test_launcher_names_the_bad_argument(device):
+    start, cand_gates, cand_hidden, weights, factor, logprobs = _inputs(2, 3, 4, 8, 2, torch.float32, device, 0)
+    with pytest.raises(ValueError, match=r"cand_gates must have shape \(2, 3, 4, 24\)"):
+        relay_select(start, cand_gates[..., :-1], cand_hidden, weights, factor, logprobs)
+    with pytest.raises(ValueError, match="logprobs must be torch.float32"):
+        relay_select(start, cand_gates, cand_hidden, weights, factor, logprobs.double())
+    with pytest.raises(ValueError, match=r"weights.prefix_proj must have shape \(3, 8\)"):
+        relay_select(start, cand_gates, cand_hidden, weights, torch.cat([factor, factor[..., :1]], -1), logprobs)
+
+
+@pytest.mark.parametrize("bilinear_rank, residual", [(64, True), (0, False)])
+def test_drelay_select_through_the_kernel(kernels, bilinear_rank, residual):
+    relay = _relay("gru", bilinear_rank=bilinear_rank, residual=residual)  # float64
+    for seed in (1, 2):
+        block = _block(seed=seed)
+        kernels("reference")
+        tokens, sigma = relay.select(block, return_scores=True)
+        kernels("triton")
+        got_tokens, got_sigma = relay.select(block, return_scores=True)
+        assert torch.equal(got_tokens, tokens)
+        close(got_sigma, sigma)
+        assert bool((tokens != block.pool_ids[..., 0]).any())  # the relay repaired something
