@@ -72,6 +72,15 @@ def _rounded(value: Any) -> Any:
     return value
 
 
+def apply_run_settings(params) -> None:
+    """`run.seed` into torch's RNG and `run.threads` (0: torch's default) into its CPU thread pool."""
+    import torch
+
+    torch.manual_seed(params.run.seed)
+    if params.run.threads:
+        torch.set_num_threads(params.run.threads)
+
+
 def write_metrics(stage: str, metrics: dict, root: str | Path = Path(".")) -> Path:
     """Write `<root>/metrics/<stage>.json` (a DVC metrics file) atomically: a reader or an
     interrupted run never sees half a file."""

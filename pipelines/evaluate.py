@@ -10,14 +10,13 @@ Finished cells are kept under eval.out_dir: a killed run continues where it stop
     python -m pipelines.evaluate [--params P] [--set eval.live_max_new_tokens=64]
 """
 
-from pipelines.common import configure_environment, resolve_from_repo, stage_main, write_metrics
+from pipelines.common import apply_run_settings, configure_environment, resolve_from_repo, stage_main, write_metrics
 
 configure_environment()
 
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
 from prefect import flow  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -45,9 +44,7 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
     """Benchmarks x methods x temperatures: replay τ + repair statistics, live speedup, report and plots."""
     params = load_params(params_path, overrides)
     cfg = params.eval
-    torch.manual_seed(params.run.seed)
-    if params.run.threads:
-        torch.set_num_threads(params.run.threads)
+    apply_run_settings(params)
     start = time.perf_counter()
     with stage_run("evaluate", params, ["target", "decode", "eval"]) as tracker:
         target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)

@@ -7,7 +7,7 @@ and measures live τ / speedup / the repair's share of a step on the validation 
     python -m pipelines.train --method drelay [--params P] [--set joint.extra_steps=50]
 """
 
-from pipelines.common import configure_environment, stage_main, write_metrics
+from pipelines.common import apply_run_settings, configure_environment, stage_main, write_metrics
 
 configure_environment()
 
@@ -17,7 +17,6 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
 from prefect import flow, task  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -107,9 +106,7 @@ def train_flow(params_path: str = "params.yaml", overrides: list[str] | None = N
     """Joint training of one method from the train_dflash drafter into joint.out_dir/<method>."""
     params = load_params(params_path, overrides)
     cfg, train_cfg = params.joint, params.train
-    torch.manual_seed(params.run.seed)
-    if params.run.threads:
-        torch.set_num_threads(params.run.threads)
+    apply_run_settings(params)
     stage = stage_name(method)
     with stage_run(stage, params, ["target", "drafter", "train", "joint"]) as tracker:
         tracker.client.set_tag(tracker.run_id, "method", method)

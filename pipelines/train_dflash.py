@@ -2,7 +2,7 @@
 position-decayed CE), early stopping on held-out loss, resumable checkpoints; at the end, live τ
 with the engine on validation prompts."""
 
-from pipelines.common import configure_environment, stage_main, write_metrics
+from pipelines.common import apply_run_settings, configure_environment, stage_main, write_metrics
 
 configure_environment()
 
@@ -12,7 +12,6 @@ import matplotlib  # noqa: E402
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
 from prefect import flow, task  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
@@ -60,9 +59,7 @@ def train_dflash_flow(params_path: str = "params.yaml", overrides: list[str] | N
     """Train the drafter into train.out_dir."""
     params = load_params(params_path, overrides)
     cfg = params.train
-    torch.manual_seed(params.run.seed)
-    if params.run.threads:
-        torch.set_num_threads(params.run.threads)
+    apply_run_settings(params)
     with stage_run(STAGE, params, ["target", "drafter", "train"]) as tracker:
         target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)
         d = params.drafter
