@@ -83,6 +83,15 @@ def markdown(result: EvalResult, info: dict) -> str:
                 tail = f" {c['identical_rate']:.3f} | {near:.0f} |" if "identical_rate" in c else ""
                 lines.append(f"| {m} | {c.get('tau', float('nan')):.3f} | {c['tau_live']:.3f} | "
                              f"{c['tokens_per_s']:.1f} | {c['repair_share']:.3f} |{tail}")
+            if ident:
+                prompts = sum(rows[b][live[0]].get("live_prompts", 0) for b in rows if b != "mean")
+                lines += ["", f"Every output that is not identical to AR's ({prompts} prompts per method) departed "
+                          "from it at a near-tie of the target's top-2 logits (within the rounding of the run's "
+                          f"dtype, {info.get('dtype', '?')}: a multi-token verification forward rounds differently "
+                          "from a 1-token decode step); any other divergence fails the stage."]
+                if ORACLE in live:
+                    lines += ["The live oracle follows AR's output; after such a divergence that reference no "
+                              "longer describes the decoded path, so its live τ is a lower bound (its replay τ is exact)."]
         lines.append("")
     if info.get("plots"):
         lines.append("Plots: " + ", ".join(f"`{p}`" for p in info["plots"]) + ".")
