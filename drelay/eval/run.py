@@ -32,11 +32,10 @@ from typing import Callable
 import torch
 
 from drelay.config import EvalConfig
-from drelay.decoding.generate import Repair
-from drelay.decoding.replay import ORACLE, ReplayStats, replay
+from drelay.decoding.replay import ORACLE, ReplayStats
 from drelay.eval.benchmarks import load_benchmark
 from drelay.eval.live import LiveMethod, live_prompt, summarize_live
-from drelay.eval.replay_eval import continuations
+from drelay.eval.replay_eval import ReplayMethod, continuations, replay_methods
 from drelay.models.drafter import BlockDrafter
 from drelay.models.target import Target
 from drelay.training.distill import Sequence
@@ -51,13 +50,11 @@ _COUNTERS = ("accepted_at", "reached", "pool_hit", "replaced_at", "replaced_righ
 
 
 @dataclass
-class EvalMethod:
-    """A method under evaluation: its drafter, its repair (None: native top-1; ORACLE; a hook) and a
-    fingerprint of the files it came from (a changed model invalidates its cells)."""
+class EvalMethod(ReplayMethod):
+    """A method under evaluation: a ReplayMethod (drafter, repair: None = native top-1, ORACLE or a
+    hook) and a fingerprint of the files it came from (a changed model invalidates its cells)."""
 
-    drafter: BlockDrafter
-    repair: Repair | str | None
-    fingerprint: str
+    fingerprint: str = ""
 
 
 def folder_fingerprint(path: str | Path) -> str:
@@ -238,10 +235,7 @@ def run_grid(target: Target, methods: dict[str, EvalMethod], cfg: EvalConfig, *,
                 key = f"{tkey}/{bench}/replay_{name}"
                 saved = store.get(key, stamp)
                 if saved is None:
-                    m = methods[name]
-                    device = m.drafter.fc.weight.device.type
-                    with torch.no_grad(), torch.autocast(device, dtype=torch.bfloat16):
-                        s = replay(m.drafter, seqs, pool_size=pool_size, repair=m.repair)
+                    s = replay_methods({name: methods[name]}, seqs, pool_size)[name]  # bf16 autocast, as in training
                     store.put(key, stamp, stats_to_dict(s))
                     result.computed += 1
                 else:
