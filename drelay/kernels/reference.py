@@ -12,6 +12,7 @@ On CPU `auto` is the reference, so CPU numbers are exactly what the plain torch 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -43,6 +44,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
+def triton_installed() -> bool:
+    """Whether triton can be imported (looked up once: the dispatch runs several times per decoding step)."""
+    return importlib.util.find_spec("triton") is not None
+
+
 def use_triton(*tensors: torch.Tensor) -> bool:
     """Whether the ops on these tensors take the Triton path (see the module docstring)."""
     mode = backend()
@@ -54,7 +61,7 @@ def use_triton(*tensors: torch.Tensor) -> bool:
             raise RuntimeError(f"{ENV_VAR}=triton needs CUDA tensors, or TRITON_INTERPRET=1 set before "
                                f"triton is imported (CPU interpreter)")
         return True
-    return on_cuda and importlib.util.find_spec("triton") is not None
+    return on_cuda and triton_installed()
 
 
 def kernel(op: str, *tensors: torch.Tensor) -> Callable:
