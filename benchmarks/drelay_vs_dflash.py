@@ -32,13 +32,12 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from drelay.config import load_params  # noqa: E402
-from drelay.decoding.replay import ORACLE  # noqa: E402
-from drelay.eval.benchmarks import BenchmarkSample, load_benchmark  # noqa: E402
-from drelay.eval.live import LiveMethod, live_compare  # noqa: E402
-from drelay.eval.replay_eval import ReplayMethod, continuations, replay_methods  # noqa: E402
+from drelay.data.benchmarks import BenchmarkSample, load_prepared_benchmark  # noqa: E402
+from drelay.eval.live import live_compare  # noqa: E402
+from drelay.eval.replay_eval import continuations, replay_methods  # noqa: E402
 from drelay.io import read_jsonl  # noqa: E402
-from drelay.models.drafter import BlockDrafter  # noqa: E402
-from drelay.models.relay import DRelay  # noqa: E402
+from drelay.models.methods import Speculator, load_speculator  # noqa: E402
+from drelay.models.repair import Native, Oracle  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
 
 
@@ -69,17 +68,16 @@ def main() -> None:
 
     p = load_params(args.params)
     target = Target.load(p.target.path, dtype=p.target.dtype, device=p.target.device)
-    joint = Path(p.joint.out_dir)
-    dflash = BlockDrafter.load(joint / "dflash" / "drafter", target)
-    drelay = BlockDrafter.load(joint / "drelay" / "drafter", target)
-    relay = DRelay.load(joint / "drelay" / "relay", target.embed_tokens).eval()
+    joint = Path(p.joint.common.out_dir)
+    dflash, drelay = load_speculator(target, joint, "dflash"), load_speculator(target, joint, "drelay")
+    relay = drelay.method
     k = p.decode.pool_size
-    methods = {"dflash": ReplayMethod(dflash), "dflash+oracle": ReplayMethod(dflash, ORACLE),
-               "drelay-native": ReplayMethod(drelay), "drelay": ReplayMethod(drelay, relay.select),
-               "drelay+oracle": ReplayMethod(drelay, ORACLE)}
+    methods = {"dflash": dflash, "dflash+oracle": Speculator(dflash.drafter, Oracle()),
+               "drelay-native": Speculator(drelay.drafter, Native()), "drelay": drelay,
+               "drelay+oracle": Speculator(drelay.drafter, Oracle())}
     sets = {} if args.no_val else {"val": val_samples(Path(p.data.out_dir) / "val.jsonl")[: args.samples]}
     for name in args.benchmarks:
-        sets[name] = load_benchmark(name, Path(p.data.mirror), args.samples)
+        sets[name] = load_prepared_benchmark(Path(p.data.out_dir) / "benchmarks", name, args.samples)
 
     results, pooled = {}, {}
     for name, samples in sets.items():
@@ -96,7 +94,7 @@ def main() -> None:
             pooled[m] = s if m not in pooled else pooled[m].merge(s)
         if args.live_prompts:
             ids = [s.tokens[: s.prompt_len].tolist() for s in seqs[: args.live_prompts]]
-            live = live_compare(target, {"dflash": LiveMethod(dflash), "drelay": LiveMethod(drelay, relay)}, ids,
+            live = live_compare(target, {"dflash": dflash, "drelay": drelay}, ids,
                                 args.live_max_new_tokens, k, desc=f"live {name}")
             results[name]["_live"] = live
         print(f"{name}: {len(seqs)} sequences, τ dflash {results[name]['dflash']['tau']:.3f} "
@@ -125,7 +123,7 @@ def main() -> None:
               f"| {d['harm_rate']:.3f} | {lv[0]} | {lv[1]} | {lv[2]} |")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    results["_settings"] = {**vars(args), "margin": relay.config.margin, "pool_size": k,
+    results["_settings"] = {**vars(args), "repair_margin": relay.config.repair_margin, "pool_size": k,
                             "threads": torch.get_num_threads()}
     out.write_text(json.dumps(results, indent=2))
     print(f"\nwrote {out}")

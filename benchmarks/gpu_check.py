@@ -24,7 +24,9 @@ from drelay.decoding.generate import ar_generate, speculative_generate
 from drelay.models.drafter import BlockDrafter
 from drelay.models.target import Target
 from drelay.training.distill import generate_batch
-from drelay.training.trainer import split_sequences, train_drafter
+from drelay.data.records import split_sequences
+from drelay.models.repair import RepairMethod
+from drelay.training.trainer import train_dflash
 
 
 def random_target(hidden, layers, vocab, dtype, init=0.02, seed=0) -> Target:
@@ -35,13 +37,24 @@ def random_target(hidden, layers, vocab, dtype, init=0.02, seed=0) -> Target:
     return Target(LlamaForCausalLM(cfg).to(device="cuda", dtype=dtype), name=f"random-{hidden}x{layers}")
 
 
-def perfect(prompt_len, continuation):
-    def repair(block):
-        first = int(block.anchor_pos[0]) + 1 - prompt_len
+class Perfect(RepairMethod):
+    """Drafts the target's own continuation (known in advance), in the pool or not: every block accepted."""
+
+    name = "perfect"
+
+    def __init__(self, prompt_len, continuation):
+        super().__init__()
+        self.prompt_len, self.continuation = prompt_len, continuation
+
+    def select(self, block):
+        first = int(block.anchor_pos[0]) + 1 - self.prompt_len
         n = block.pool_ids.shape[1]
-        toks = [continuation[j] if j < len(continuation) else 0 for j in range(first, first + n)]
+        toks = [self.continuation[j] if j < len(self.continuation) else 0 for j in range(first, first + n)]
         return torch.tensor([toks], device=block.pool_ids.device)
-    return repair
+
+
+def perfect(prompt_len, continuation):
+    return Perfect(prompt_len, continuation)
 
 
 def cuda_ms(fn, repeats=20) -> float:
@@ -77,7 +90,7 @@ def main() -> int:
         for p in prompts:
             ref = ar_generate(t32, p, 64).tokens
             for repair in (None, perfect(len(p), ref)):
-                out = speculative_generate(t32, drafter, p, 64, repair=repair).tokens
+                out = speculative_generate(t32, drafter, p, 64, method=repair).tokens
                 report = compare_to_ar(t32, p, ref, out)
                 same += report.identical
                 if not report.identical:
@@ -109,8 +122,8 @@ def main() -> int:
     for block in (8, 16) if not fast else ():
         drafter = BlockDrafter.for_target(t16, block_size=block)
         for name, repair in (("untrained", None), ("perfect", perfect(len(prompt), ar.tokens))):
-            speculative_generate(t16, drafter, prompt, 16, repair=repair)  # warm-up
-            out = speculative_generate(t16, drafter, prompt, 256, repair=repair)
+            speculative_generate(t16, drafter, prompt, 16, method=repair)  # warm-up
+            out = speculative_generate(t16, drafter, prompt, 256, method=repair)
             print(f"| B={block} {name} | {out.stats.tokens_per_s:.1f} | {out.stats.tau:.2f} | "
                   f"{out.stats.tokens_per_s / ar.stats.tokens_per_s:.2f} |")
             if name == "perfect" and out.tokens != ar.tokens:
@@ -130,28 +143,29 @@ def main() -> int:
     drafter = BlockDrafter.for_target(t16, block_size=16, num_layers=2).float()
     cfg = TrainConfig(max_steps=30, blocks_per_step=512, anchors_per_sequence=32, warmup_steps=5, eval_every=30,
                       checkpoint_every=30, patience=0, out_dir="/tmp/gpu_drafter", checkpoint_dir="/tmp/gpu_ckpt")
-    result = train_drafter(drafter, train, val, cfg, pool_size=8)
+    result = train_dflash(drafter, train, val, cfg, pool_size=8, seed=0)
     print(f"\n| CUDA pipeline | value |\n|---|---|\n| distill tokens/s (batch 32) | {n_tok / dt:.0f} |"
           f"\n| train blocks/s (B=16, 2 layers) | {result.blocks_per_s:.0f} |"
           f"\n| held-out loss after 30 steps | {result.best_val_loss:.3f} |")
 
     # 4. DRelay joint training and repaired decoding on CUDA (bf16 autocast through reader + GRU)
-    from drelay.config import JointConfig
+    from drelay.config import DRelaySettings, JointCommon, JointConfig
     from drelay.models.relay import DRelay
-    from drelay.training.joint import train_joint
+    from drelay.training.trainer import train_method
 
-    jcfg = JointConfig(extra_steps=20, eval_every=20, checkpoint_every=20, margins=(0.0, 1.0), replay_sequences=8,
-                       out_dir="/tmp/gpu_joint", checkpoint_dir="/tmp/gpu_joint_ckpt")
+    jcfg = JointConfig(common=JointCommon(extra_steps=20, eval_every=20, checkpoint_every=20, replay_sequences=8,
+                                          out_dir="/tmp/gpu_joint", checkpoint_dir="/tmp/gpu_joint_ckpt"),
+                       drelay=DRelaySettings(repair_margins=(0.0, 1.0)))
     start = BlockDrafter.load(cfg.out_dir, t16).float()
-    joint = train_joint("drelay", start, train, val, jcfg, cfg, pool_size=8, seed=0)
-    relay = DRelay.load(f"{jcfg.out_dir}/drelay/relay", t16.embed_tokens)
-    drafter = BlockDrafter.load(f"{jcfg.out_dir}/drelay/drafter", t16)
-    out = speculative_generate(t16, drafter, prompt, 64, repair=relay.select)
+    joint = train_method("drelay", start, train, val, jcfg, cfg, pool_size=8, seed=0)
+    relay = DRelay.load(f"{jcfg.common.out_dir}/drelay/relay", t16.embed_tokens)
+    drafter = BlockDrafter.load(f"{jcfg.common.out_dir}/drelay/drafter", t16)
+    out = speculative_generate(t16, drafter, prompt, 64, method=relay)
     ref = ar_generate(t16, prompt, 64)
     report = compare_to_ar(t16, prompt, ref.tokens, out.tokens)
     failures += report.is_bug
     print(f"\n| DRelay on CUDA | value |\n|---|---|\n| joint blocks/s | {joint.blocks_per_s:.0f} |"
-          f"\n| chosen margin | {joint.margin} |\n| repaired decoding vs AR (bf16) | {report.describe()} |"
+          f"\n| chosen repair margin δ | {joint.final['repair_margin']} |\n| repaired decoding vs AR (bf16) | {report.describe()} |"
           f"\n| selector share of step time | {out.stats.repair_s / max(out.stats.wall_s, 1e-9):.2f} |")
     print(f"\nunexplained divergences: {failures}")
     return 1 if failures else 0

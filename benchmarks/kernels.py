@@ -112,8 +112,8 @@ def cases(s: Shapes, rotate: int, dev: str = "cuda"):
     sel = [(rnd(b, 3 * d), rnd(b, n, k, 3 * d), rnd(b, n, k, d), w, rnd(b, n, k, R), rnd(b, n, k))
            for _ in range(rotate)]
     sel_bytes = 4 * (n * (3 * d * d + d * d + R * d) + b * n * k * (3 * d + d + R + 1))
-    out.append(("relay_select", lambda i: relay_select(*sel[i], margin=0.1),
-                lambda i: reference.relay_select_ref(*sel[i], margin=0.1), sel_bytes, 0))
+    out.append(("relay_select", lambda i: relay_select(*sel[i], repair_margin=0.1),
+                lambda i: reference.relay_select_ref(*sel[i], repair_margin=0.1), sel_bytes, 0))
 
     # verify: bf16 target logits, drafts = the argmax (every row read: the worst case)
     logits = [rnd(b, n + 1, V, dtype=bf16) for _ in range(rotate)]

@@ -10,44 +10,62 @@ import torch
 
 
 def _load(args, dtype: str):
-    """Target, drafter and the repair hook of --method (None for dflash: the native top-1)."""
+    """Target, drafter and the repair method of --method (loaded from --method-dir when it has weights)."""
     from drelay.models.drafter import BlockDrafter
-    from drelay.models.relay import DRelay
+    from drelay.models.methods import load_method, method_class
     from drelay.models.target import Target
 
     target = Target.load(args.target, dtype=dtype, device=args.device)
     drafter = BlockDrafter.load(args.drafter, target)
-    repair = None
-    if args.method == "drelay":
-        relay = DRelay.load(args.relay, target.embed_tokens)
-        repair = relay.select
-    return target, drafter, repair
+    cls = method_class(args.method)
+    method = load_method(args.method, args.method_dir, target.embed_tokens) if cls.folder_name else cls().eval()
+    return target, drafter, method
+
+
+def _usage_error(args) -> str | None:
+    """What is wrong with the generate arguments before any model is loaded (None: nothing)."""
+    from drelay.models.methods import method_class
+
+    cls = method_class(args.method)
+    if args.check_lossless and args.temperature != 0:
+        return "--check-lossless compares against greedy AR decoding: use --temperature 0"
+    if cls.needs_truth and args.temperature != 0:
+        return f"--method {args.method} reads the target's greedy output: use --temperature 0"
+    if cls.folder_name and not args.method_dir:
+        return (f"--method {args.method} needs --method-dir DIR: the folder holding its {cls.folder_name}/ "
+                f"(e.g. models/joint/{args.method}, written by train@{args.method})")
+    return None
 
 
 def cmd_generate(args) -> int:
     from drelay.decoding.check import compare_to_ar
     from drelay.decoding.generate import ar_generate, speculative_generate
 
-    if args.check_lossless and args.temperature != 0:
-        print("--check-lossless compares against greedy AR decoding: use --temperature 0", file=sys.stderr)
+    problem = _usage_error(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     # Exactness is only defined in float32+; bf16 runs report a near-tie classification instead.
-    if args.method == "drelay" and not args.relay:
-        print("--method drelay needs --relay PATH (a folder written by joint training or init-relay)", file=sys.stderr)
-        return 2
     dtype = args.dtype or ("float32" if args.check_lossless else "bfloat16")
-    target, drafter, repair = _load(args, dtype)
+    target, drafter, method = _load(args, dtype)
+    if args.block_size is not None and not 2 <= args.block_size <= drafter.config.block_size:
+        print(f"error: --block-size must be in [2, {drafter.config.block_size}] (the drafter's block size), "
+              f"got {args.block_size}", file=sys.stderr)
+        return 2
     prompt_ids = target.encode_chat(args.prompt) if not args.raw else target.tokenizer(args.prompt)["input_ids"]
     stop = [] if args.ignore_eos else target.stop_token_ids()
+    reference = None
+    if method.needs_truth or args.check_lossless:
+        reference = ar_generate(target, prompt_ids, args.max_new_tokens, stop_token_ids=stop)
     gen = torch.Generator(device=target.device).manual_seed(args.seed)
-    result = speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, repair=repair, block_size=args.block_size,
-                                  temperature=args.temperature, pool_size=args.pool_size, stop_token_ids=stop,
-                                  sampling_rule=args.sampling_rule, generator=gen)
+    result = speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, method=method,
+                                  block_size=args.block_size, temperature=args.temperature, pool_size=args.pool_size,
+                                  stop_token_ids=stop, sampling_rule=args.sampling_rule, generator=gen,
+                                  reference=reference.tokens if method.needs_truth else None)
     print(target.tokenizer.decode(result.tokens, skip_special_tokens=False))
     print(json.dumps({"method": args.method, "dtype": dtype, **result.stats.summary()}))
     if not args.check_lossless:
         return 0
-    reference = ar_generate(target, prompt_ids, args.max_new_tokens, stop_token_ids=stop)
     report = compare_to_ar(target, prompt_ids, reference.tokens, result.tokens)
     print(json.dumps({"method": "ar", "dtype": dtype, **reference.stats.summary()}))
     print(f"lossless check ({dtype}): {report.describe()}")
@@ -80,12 +98,28 @@ def cmd_init_relay(args) -> int:
 
     target = Target.load(args.target, dtype="float32")
     drafter = BlockDrafter.load(args.drafter, target)
-    relay = DRelay.for_drafter(drafter, pool_size=args.pool_size, margin=args.margin)
+    relay = DRelay.for_drafter(drafter, pool_size=args.pool_size, repair_margin=args.repair_margin)
     print(relay.save(args.out))
     return 0
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _nonnegative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from drelay.models.methods import METHODS
+
     parser = argparse.ArgumentParser(prog="drelay", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -93,14 +127,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--target", required=True, help="HF folder or id of the target model")
     g.add_argument("--drafter", required=True, help="drafter folder (config.json + model.safetensors)")
     g.add_argument("--prompt", required=True, help="user message (wrapped in the chat template)")
-    g.add_argument("--method", choices=["dflash", "drelay"], default="dflash",
-                   help="dflash: verify the drafter's native top-1; drelay: repair the block first (--relay)")
-    g.add_argument("--relay", default=None, help="DRelay folder (reader + selector, with its margin)")
+    g.add_argument("--method", choices=list(METHODS), default="dflash",
+                   help="the repair method: dflash verifies the drafter's native top-1; drelay, dflash2, domino, "
+                        "dspark repair the block first (--method-dir); oracle picks AR's token when it is in the pool")
+    g.add_argument("--method-dir", default=None,
+                   help="a trained method's folder, <joint.out_dir>/<method> (holds relay/ or head/)")
     g.add_argument("--raw", action="store_true", help="use the prompt as plain text, no chat template")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--block-size", type=int, default=None, help="default: the drafter's")
-    g.add_argument("--pool-size", type=int, default=8)
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=_nonnegative_float, default=0.0)
+    g.add_argument("--block-size", type=_positive_int, default=None, help="default (and most): the drafter's")
+    g.add_argument("--pool-size", type=_positive_int, default=8)
+    g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--sampling-rule", choices=["residual", "match"], default="residual")
     g.add_argument("--dtype", choices=["float32", "float64", "bfloat16", "float16"], default=None,
                    help="default bfloat16, or float32 with --check-lossless")
@@ -127,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--target", required=True)
     r.add_argument("--drafter", required=True)
     r.add_argument("--out", required=True)
-    r.add_argument("--pool-size", type=int, default=8)
-    r.add_argument("--margin", type=float, default=0.0)
+    r.add_argument("--pool-size", type=_positive_int, default=8)
+    r.add_argument("--repair-margin", type=_nonnegative_float, default=0.0, help="δ: replace only above this")
     r.set_defaults(func=cmd_init_relay)
     return parser
 
@@ -137,12 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from drelay.decoding.generate import ContextTooLongError
     from drelay.models.drafter import DrafterError
+    from drelay.models.heads import HeadError
     from drelay.models.relay import RelayError
     from drelay.models.target import TargetError
 
     try:
         return args.func(args)
-    except (TargetError, DrafterError, RelayError, ContextTooLongError) as err:
+    except (TargetError, DrafterError, RelayError, HeadError, ContextTooLongError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -83,15 +83,10 @@ class DrafterConfig:
 class DecodeConfig:
     """How tokens are drafted, repaired and verified at generation time."""
 
-    temperature: float = 0.0  # 0 = greedy
-    max_new_tokens: int = 256  # generation budget per prompt
     pool_size: int = 8  # k candidates per block position
-    sampling_rule: str = "residual"  # residual (lossless rejection) | match (DFlash sample+match)
-    seed: int = 0  # RNG seed for sampling at temperature > 0
+    sampling_rule: str = "residual"  # residual (lossless rejection) | match (DFlash sample+match), at T > 0
 
     def __post_init__(self) -> None:
-        _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
-        _require(self.max_new_tokens >= 1, "max_new_tokens", ">= 1", self.max_new_tokens)
         _require(self.pool_size >= 1, "pool_size", ">= 1", self.pool_size)
         rules = " or ".join(SAMPLING_RULES)
         _require(self.sampling_rule in SAMPLING_RULES, "sampling_rule", rules, self.sampling_rule)
@@ -191,18 +186,46 @@ JOINT_METHODS = ("dflash", "drelay", "dflash2", "domino", "dspark")  # the metho
 PREFIX_MODELS = ("gru", "attn")
 
 
-@dataclass(frozen=True)
-class JointConfig:
-    """Joint training (DESIGN §1.6-§1.7): every method continues the same trained DFlash drafter
-    for the same extra steps on the same batches; `dflash` continues with its CE alone."""
+def _distinct(values) -> bool:
+    return len(values) >= 1 and len(set(values)) == len(values)
 
-    extra_steps: int = 300  # the equal extra-step budget every method gets (the fairness rule)
+
+@dataclass(frozen=True)
+class JointCommon:
+    """What every joint method shares (the fairness rule, DESIGN §1.7): the same start, steps and schedule."""
+
+    extra_steps: int = 300  # the equal extra-step budget every method gets
     lr: float = 3e-4  # peak AdamW learning rate of the backbone; min_lr_ratio, grad_clip from train
-    head_lr_scale: float = 1.0  # the fresh head (reader + selector) trains at lr x this
+    head_lr_scale: float = 1.0  # a method's fresh head (reader + selector, ...) trains at lr x this
     warmup_steps: int = 20  # linear warmup, then cosine decay over extra_steps
+    replay_sequences: int = 32  # held-out sequences replayed at each evaluation (and to tune δ)
+    eval_every: int = 100  # steps between held-out evaluations (losses, replay statistics)
+    checkpoint_every: int = 50  # steps between resumable checkpoints
+    out_dir: str = "models/joint"  # <out_dir>/<method>/drafter and the method's own folder (relay/, head/)
+    checkpoint_dir: str = "checkpoints/joint"  # <checkpoint_dir>/<method>/last.pt
+
+    def __post_init__(self) -> None:
+        for key in ("extra_steps", "replay_sequences", "eval_every", "checkpoint_every"):
+            _require(getattr(self, key) >= 1, key, ">= 1", getattr(self, key))
+        _require(self.lr > 0, "lr", "> 0", self.lr)
+        _require(self.head_lr_scale > 0, "head_lr_scale", "> 0", self.head_lr_scale)
+        _require(self.warmup_steps >= 0, "warmup_steps", ">= 0", self.warmup_steps)
+        _require(bool(self.out_dir), "out_dir", "a non-empty string", self.out_dir)
+        _require(bool(self.checkpoint_dir), "checkpoint_dir", "a non-empty string", self.checkpoint_dir)
+
+
+@dataclass(frozen=True)
+class DFlashSettings:
+    """dflash: the backbone continues with its own CE; it has no settings of its own."""
+
+
+@dataclass(frozen=True)
+class DRelaySettings:
+    """drelay: global reader + causal selector trained with the backbone (DESIGN §1.3-§1.6)."""
+
     lambda_support: float = 0.1  # λ_s: weight of candidate support (logit hinge + reader BCE)
     lambda_repair: float = 1.0  # λ_r: weight of the ω-weighted selector CE
-    hinge_margin: float = 1.0  # margin of softplus(z_(k) - z_y + margin): keep y inside the top-k pool
+    hinge_margin: float = 1.0  # margin of softplus(z_(k) - z_y + hinge_margin): keep y inside the top-k pool
     eps: float = 0.01  # floor of π in ω, so a block with an out-of-pool token still weighs its prefix
     reader_dim: int = 256  # d_r, width of the global reader and the causal selector
     reader_layers: int = 2  # R, full-attention encoder layers of the reader (0: no cross-position view, ablation)
@@ -210,42 +233,80 @@ class JointConfig:
     prefix_model: str = "gru"  # selector prefix state r_i: gru | attn (1-layer causal attention)
     residual_score: bool = True  # σ = the drafter's log-prob + learned terms (false: MLP alone, an ablation)
     bilinear_rank: int = 64  # rank of the candidate x prefix-state bilinear score term (0: off)
-    dflash2_rank: int = 64  # dflash2: rank of the predecessor x hidden x candidate trilinear term
-    domino_gru_size: int = 256  # domino: width of the GRU over the chosen tokens' embeddings
-    domino_rank: int = 128  # domino: width of the low-rank MLP into the vocabulary
-    domino_anneal_fraction: float = 0.5  # domino: λ of (1-λ)·CE(final) + λ·CE(base) falls 1 -> 0 over this share
-    dspark_rank: int = 256  # dspark: rank of the Markov bigram bias W2(W1[prev])
-    dspark_lambda_conf: float = 1.0  # dspark: weight of the confidence head's BCE
-    margins: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0)  # δ candidates; the best held-out replay τ is kept
-    methods: tuple[str, ...] = ("dflash", "drelay")  # which methods the stage trains
-    replay_sequences: int = 32  # held-out sequences replayed at each evaluation and to choose δ
-    eval_every: int = 100  # steps between held-out evaluations (losses, replay statistics)
-    checkpoint_every: int = 50  # steps between resumable checkpoints
-    out_dir: str = "models/joint"  # <out_dir>/<method>/drafter, and <out_dir>/drelay/relay
-    checkpoint_dir: str = "checkpoints/joint"  # <checkpoint_dir>/<method>/last.pt
+    repair_margins: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0)  # δ candidates; the best held-out replay τ is kept
 
     def __post_init__(self) -> None:
-        for key in ("extra_steps", "reader_dim", "reader_heads", "replay_sequences", "eval_every",
-                    "checkpoint_every", "dflash2_rank", "domino_gru_size", "domino_rank", "dspark_rank"):
-            _require(getattr(self, key) >= 1, key, ">= 1", getattr(self, key))
-        _require(self.lr > 0, "lr", "> 0", self.lr)
-        _require(self.head_lr_scale > 0, "head_lr_scale", "> 0", self.head_lr_scale)
-        _require(0 <= self.domino_anneal_fraction <= 1, "domino_anneal_fraction", "in [0, 1]",
-                 self.domino_anneal_fraction)
-        for key in ("warmup_steps", "reader_layers", "bilinear_rank", "lambda_support", "lambda_repair", "hinge_margin",
-                    "dspark_lambda_conf"):
+        _require(self.reader_dim >= 1, "reader_dim", ">= 1", self.reader_dim)
+        _require(self.reader_heads >= 1, "reader_heads", ">= 1", self.reader_heads)
+        for key in ("reader_layers", "bilinear_rank", "lambda_support", "lambda_repair", "hinge_margin"):
             _require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
         _require(0 < self.eps <= 1, "eps", "in (0, 1]", self.eps)
         _require(self.reader_dim % self.reader_heads == 0, "reader_heads",
                  f"a divisor of reader_dim ({self.reader_dim})", self.reader_heads)
         _require(self.prefix_model in PREFIX_MODELS, "prefix_model", " or ".join(PREFIX_MODELS), self.prefix_model)
-        distinct = lambda values: len(values) >= 1 and len(set(values)) == len(values)  # noqa: E731
-        ok = distinct(self.margins) and all(m >= 0 for m in self.margins)
-        _require(ok, "margins", "a non-empty list of distinct values >= 0", self.margins)
-        ok = distinct(self.methods) and set(self.methods) <= set(JOINT_METHODS)
+        ok = _distinct(self.repair_margins) and all(m >= 0 for m in self.repair_margins)
+        _require(ok, "repair_margins", "a non-empty list of distinct values >= 0", self.repair_margins)
+
+
+@dataclass(frozen=True)
+class DFlash2Settings:
+    """dflash2: causal top-k selector with a predecessor x hidden x candidate term."""
+
+    rank: int = 64  # rank of the predecessor / successor codebooks
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 1, "rank", ">= 1", self.rank)
+
+
+@dataclass(frozen=True)
+class DominoSettings:
+    """domino: GRU over the chosen tokens -> low-rank residual logits, base-anchored loss."""
+
+    gru_size: int = 256  # width of the GRU over the chosen tokens' embeddings
+    rank: int = 128  # width of the low-rank MLP into the vocabulary
+    anneal_fraction: float = 0.5  # λ of (1-λ)·CE(final) + λ·CE(base) falls 1 -> 0 over this share
+
+    def __post_init__(self) -> None:
+        _require(self.gru_size >= 1, "gru_size", ">= 1", self.gru_size)
+        _require(self.rank >= 1, "rank", ">= 1", self.rank)
+        _require(0 <= self.anneal_fraction <= 1, "anneal_fraction", "in [0, 1]", self.anneal_fraction)
+
+
+@dataclass(frozen=True)
+class DSparkSettings:
+    """dspark: low-rank Markov bigram bias + a confidence head."""
+
+    rank: int = 256  # rank of the Markov bigram bias W2(W1[prev])
+    lambda_conf: float = 1.0  # weight of the confidence head's BCE
+
+    def __post_init__(self) -> None:
+        _require(self.rank >= 1, "rank", ">= 1", self.rank)
+        _require(self.lambda_conf >= 0, "lambda_conf", ">= 0", self.lambda_conf)
+
+
+@dataclass(frozen=True)
+class JointConfig:
+    """Joint training (DESIGN §1.6-§1.7): every method in `methods` continues the same trained DFlash
+    drafter under `common`, with its own settings in the section named after it (joint.<method>), so a
+    change to one method's settings re-runs only that method's stage."""
+
+    methods: tuple[str, ...] = ("dflash", "drelay")  # which methods get a train@<method> stage
+    common: JointCommon = field(default_factory=JointCommon)
+    dflash: DFlashSettings = field(default_factory=DFlashSettings)
+    drelay: DRelaySettings = field(default_factory=DRelaySettings)
+    dflash2: DFlash2Settings = field(default_factory=DFlash2Settings)
+    domino: DominoSettings = field(default_factory=DominoSettings)
+    dspark: DSparkSettings = field(default_factory=DSparkSettings)
+
+    def __post_init__(self) -> None:
+        ok = _distinct(self.methods) and set(self.methods) <= set(JOINT_METHODS)
         _require(ok, "methods", f"a non-empty list of distinct names from {', '.join(JOINT_METHODS)}", self.methods)
-        _require(bool(self.out_dir), "out_dir", "a non-empty string", self.out_dir)
-        _require(bool(self.checkpoint_dir), "checkpoint_dir", "a non-empty string", self.checkpoint_dir)
+
+    def settings(self, method: str):
+        """The settings section of `method` (joint.<method>)."""
+        if method not in JOINT_METHODS:
+            raise ValueError(f"unknown joint method {method!r} (valid: {', '.join(JOINT_METHODS)})")
+        return getattr(self, method)
 
 
 EVAL_METHODS = ("ar", *JOINT_METHODS, "oracle")  # ar: the target alone; oracle: the true token when in the pool
@@ -271,7 +332,7 @@ class EvalConfig:
     out_dir: str = "data/eval"  # continuations and finished cells (what a resumed run reuses)
 
     def __post_init__(self) -> None:
-        distinct = lambda values: len(values) >= 1 and len(set(values)) == len(values)  # noqa: E731
+        distinct = _distinct
         ok = distinct(self.benchmarks) and set(self.benchmarks) <= set(BENCHMARKS)
         _require(ok, "benchmarks", f"a non-empty list of distinct names from {', '.join(BENCHMARKS)}", self.benchmarks)
         ok = distinct(self.methods) and set(self.methods) <= set(EVAL_METHODS)
@@ -348,6 +409,8 @@ def _type_name(tp: Any) -> str:
         return f"list of {_type_name(typing.get_args(tp)[0])}"
     if typing.get_origin(tp) is dict:
         return f"mapping of {_type_name(typing.get_args(tp)[1])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping of settings"
     return tp.__name__
 
 
@@ -369,6 +432,10 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     elif origin is dict:  # dict[str, X] is a YAML mapping
         if isinstance(value, dict):
             return {_coerce(k, args[0], f"{where} key"): _coerce(v, args[1], f"{where}.{k}") for k, v in value.items()}
+    elif dataclasses.is_dataclass(tp):  # a nested section, e.g. joint.domino
+        if isinstance(value, dict):
+            source, _, path = where.partition(": ")
+            return _build(tp, value, path, source)
     elif tp is float and type(value) is int:
         return float(value)
     elif isinstance(value, tp) and (tp is bool or not isinstance(value, bool)):  # bool is an int
@@ -423,7 +490,8 @@ def _read(path: str | Path) -> dict:
 
 
 def _parse_override(text: str) -> tuple[str, str, Any]:
-    """"drafter.block_size=4" -> ("drafter", "block_size", 4); the value is parsed as YAML."""
+    """"drafter.block_size=4" -> ("drafter", "block_size", 4); "joint.domino.rank=64" -> ("joint",
+    "domino.rank", 64) (a nested section); the value is parsed as YAML."""
     dotted, eq, value = text.partition("=")
     section, dot, key = dotted.strip().partition(".")
     if not (eq and dot and section and key):
@@ -435,13 +503,20 @@ def _parse_override(text: str) -> tuple[str, str, Any]:
         raise ConfigError(f"override {text!r}: value is not valid YAML: {e}") from None
 
 
+def _set_nested(mapping: dict, keys: list[str], value: Any) -> dict:
+    """A copy of `mapping` with mapping[k1][k2]... = value (missing levels are created)."""
+    head, rest = keys[0], keys[1:]
+    inner = mapping.get(head) if isinstance(mapping.get(head), dict) else {}
+    return {**mapping, head: _set_nested(inner, rest, value) if rest else value}
+
+
 def load_params(path: str | Path, overrides: list[str] | None = None) -> Params:
     """All sections of the params file, then each "section.key=value" override applied in order."""
     raw = _read(path)
     sections = {name: _build(cls, raw[name], name, str(path)) for name, cls in SECTIONS.items()}
     for text in overrides or []:
         name, key, value = _parse_override(text)
-        raw[name] = {**raw[name], key: value}  # errors from here on name the override
+        raw[name] = _set_nested(raw[name], key.split("."), value)  # errors from here on name the override
         sections[name] = _build(SECTIONS[name], raw[name], name, f"override {text!r}")
     return Params(**sections)
 

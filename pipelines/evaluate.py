@@ -10,7 +10,7 @@ Finished cells are kept under eval.out_dir: a killed run continues where it stop
     python -m pipelines.evaluate [--params P] [--set eval.live_max_new_tokens=64]
 """
 
-from pipelines.common import apply_run_settings, configure_environment, resolve_from_repo, stage_main, write_metrics
+from pipelines.common import apply_run_settings, configure_environment, stage_main, write_metrics
 
 configure_environment()
 
@@ -23,6 +23,7 @@ from tqdm import tqdm  # noqa: E402
 from drelay.config import ConfigError, load_params  # noqa: E402
 from drelay.eval.report import markdown, plot_acceptance, plot_repair, plot_tau  # noqa: E402
 from drelay.eval.run import AR, load_methods, nonfinite, run_grid  # noqa: E402
+from drelay.models.methods import method_class  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
 
@@ -33,8 +34,8 @@ PLOTS = {"tau": Path("reports/eval_tau.png"), "acceptance": Path("reports/eval_a
 
 def trained_methods(params) -> list[str]:
     """The eval methods that need a train@ stage's output (the oracle needs its drafter's)."""
-    names = {m for m in params.eval.methods if m not in (AR, "oracle")}
-    if "oracle" in params.eval.methods:
+    names = {m for m in params.eval.methods if m != AR and method_class(m).trainable}
+    if any(m != AR and not method_class(m).trainable for m in params.eval.methods):  # the oracle
         names.add(params.eval.oracle_drafter)
     return sorted(names)
 
@@ -48,7 +49,7 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
     start = time.perf_counter()
     with stage_run("evaluate", params, ["target", "decode", "eval"]) as tracker:
         target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)
-        methods = load_methods(target, params.joint.out_dir, cfg.methods, cfg.oracle_drafter)
+        methods = load_methods(target, params.joint.common.out_dir, cfg.methods, cfg.oracle_drafter)
         bar = tqdm(desc="evaluate", unit="cell", dynamic_ncols=True)
 
         def on_cell(done: int, total: int, what: str) -> None:
@@ -57,7 +58,7 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
             bar.set_postfix_str(what)
             bar.refresh()
 
-        result = run_grid(target, methods, cfg, mirror=resolve_from_repo(params.data.mirror),
+        result = run_grid(target, methods, cfg, benchmarks_dir=Path(params.data.out_dir) / "benchmarks",
                           pool_size=params.decode.pool_size, sampling_rule=params.decode.sampling_rule,
                           max_prompt_tokens=params.distill.max_prompt_tokens, seed=params.run.seed,
                           log=bar.write, on_cell=on_cell)
@@ -101,11 +102,16 @@ def require_inputs(params) -> None:
         raise ConfigError(f"eval.methods needs {', '.join(missing_stage)}, which joint.methods does not train "
                           f"(joint.methods: {', '.join(params.joint.methods)}; the oracle uses eval.oracle_drafter)")
     for method in trained_methods(params):
-        path = Path(params.joint.out_dir) / method / "drafter" / "config.json"
+        path = Path(params.joint.common.out_dir) / method / "drafter" / "config.json"
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing (the train@{method} stage makes it): needed by evaluate")
     if not Path(params.target.path, "config.json").is_file():
         raise FileNotFoundError(f"{params.target.path}/config.json is missing (the prepare_target stage makes it)")
+    benchmarks = Path(params.data.out_dir) / "benchmarks"
+    for name in params.eval.benchmarks:
+        if not (benchmarks / f"{name}.jsonl").is_file():
+            raise FileNotFoundError(f"{benchmarks / name}.jsonl is missing (the prepare_data stage writes it): "
+                                    f"needed by evaluate")
 
 
 if __name__ == "__main__":

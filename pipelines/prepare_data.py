@@ -8,7 +8,7 @@ configure_environment()
 from prefect import flow  # noqa: E402
 
 from drelay.config import load_params  # noqa: E402
-from drelay.training.prompts import prepare_prompts  # noqa: E402
+from drelay.data.prompts import prepare_prompts  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
 
 STAGE = "prepare_data"

@@ -4,7 +4,7 @@ selector jointly), same data, same batches, same schedule (DESIGN §1.7). Logs e
 held-out replay statistics per block position to MLflow, chooses δ on held-out replay τ (drelay),
 and measures live τ / speedup / the repair's share of a step on the validation prompts.
 
-    python -m pipelines.train --method drelay [--params P] [--set joint.extra_steps=50]
+    python -m pipelines.train --method drelay [--params P] [--set joint.common.extra_steps=50]
 """
 
 from pipelines.common import apply_run_settings, configure_environment, stage_main, write_metrics
@@ -21,13 +21,13 @@ from prefect import flow, task  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from drelay.config import JOINT_METHODS, load_params  # noqa: E402
-from drelay.eval.live import LiveMethod, live_compare  # noqa: E402
+from drelay.data.records import load_distilled, split_sequences  # noqa: E402
+from drelay.eval.live import live_compare  # noqa: E402
 from drelay.io import read_jsonl  # noqa: E402
 from drelay.models.drafter import BlockDrafter, DrafterError  # noqa: E402
+from drelay.models.methods import load_speculator  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
-from drelay.training.distill import load_distilled  # noqa: E402
-from drelay.training.joint import JointResult, load_method_head, train_joint  # noqa: E402
-from drelay.training.trainer import split_sequences  # noqa: E402
+from drelay.training.trainer import FitResult, train_method  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
 
 PER_POSITION = ("accept", "pool_hit", "replace_rate", "repair_precision", "harm_rate")
@@ -53,10 +53,10 @@ def oracle_gap_closed(tau: float, native_tau: float, oracle_tau: float) -> float
     return (tau - native_tau) / gap if gap > 1e-9 else 0.0
 
 
-def plot_joint(method: str, result: JointResult, curve: dict[str, list[tuple[int, float]]], path: Path) -> plt.Figure:
+def plot_joint(method: str, result: FitResult, curve: dict[str, list[tuple[int, float]]], path: Path) -> plt.Figure:
     """Loss terms, held-out τ over training, the final per-position statistics and (drelay) τ by δ."""
     final, history = result.final, result.history
-    fig, axes = plt.subplots(1, 4 if result.margin_taus else 3, figsize=(18 if result.margin_taus else 14, 3.8))
+    fig, axes = plt.subplots(1, 4 if result.tuned else 3, figsize=(18 if result.tuned else 14, 3.8))
     ax = axes[0]
     for name, points in curve.items():
         ax.plot(*zip(*points), label=name, alpha=0.8)
@@ -75,12 +75,12 @@ def plot_joint(method: str, result: JointResult, curve: dict[str, list[tuple[int
         ax.plot(range(1, len(values) + 1), values, "o-", label=name)
     ax.set(xlabel="block position", ylabel="rate", ylim=(0, 1.02), title="held-out, per position (final)")
     ax.legend(fontsize=8)
-    if result.margin_taus:
+    if result.tuned:
         ax = axes[3]
-        margins = sorted(result.margin_taus)
-        ax.plot(margins, [result.margin_taus[m] for m in margins], "o-", label="relay τ")
+        deltas = sorted(result.tuned)
+        ax.plot(deltas, [result.tuned[m] for m in deltas], "o-", label="relay τ")
         ax.axhline(final["native_tau"], ls="--", color="gray", label="native τ")
-        ax.axvline(result.margin, ls=":", color="k", label=f"chosen δ = {result.margin:g}")
+        ax.axvline(final["repair_margin"], ls=":", color="k", label=f"chosen δ = {final['repair_margin']:g}")
         ax.set(xlabel="δ (repair margin)", ylabel="held-out replay τ", title="choice of δ")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -90,14 +90,12 @@ def plot_joint(method: str, result: JointResult, curve: dict[str, list[tuple[int
 
 
 @task
-def live_method_tau(target: Target, method: str, out_dir: Path, prompts: list[dict], max_new_tokens: int,
+def live_method_tau(target: Target, method: str, joint_dir: Path, prompts: list[dict], max_new_tokens: int,
                     pool_size: int) -> dict:
     """Live greedy decoding of the trained method (bf16, as served) against AR on the validation prompts."""
-    drafter = BlockDrafter.load(out_dir / "drafter", target)
-    repair = load_method_head(method, out_dir, target.embed_tokens)
+    spec = load_speculator(target, joint_dir, method)
     ids = [target.encode_chat(record["messages"]) for record in prompts]
-    result = live_compare(target, {method: LiveMethod(drafter, repair)}, ids, max_new_tokens,
-                          pool_size, desc=f"live τ ({method})")
+    result = live_compare(target, {method: spec}, ids, max_new_tokens, pool_size, desc=f"live τ ({method})")
     return result.get(method, {})
 
 
@@ -124,18 +122,18 @@ def train_flow(params_path: str = "params.yaml", overrides: list[str] | None = N
                 if f"train_{name}" in metrics:
                     curve.setdefault(name, []).append((step, metrics[f"train_{name}"]))
 
-        bar = tqdm(total=cfg.extra_steps, desc=stage, unit="step", dynamic_ncols=True)
+        bar = tqdm(total=cfg.common.extra_steps, desc=stage, unit="step", dynamic_ncols=True)
 
         def progress(step: int, metrics: dict) -> None:
             bar.n = step
             bar.set_postfix(loss=f"{metrics['train_loss']:.3f}")
             bar.refresh()
 
-        result = train_joint(method, drafter, train, val, cfg, train_cfg, pool_size=params.decode.pool_size,
-                             seed=params.run.seed, log=log, progress=progress)
+        result = train_method(method, drafter, train, val, cfg, train_cfg, pool_size=params.decode.pool_size,
+                              seed=params.run.seed, log=log, progress=progress)
         bar.close()
         val_prompts = read_jsonl(f"{params.data.out_dir}/val.jsonl")[: train_cfg.live_prompts]
-        live = live_method_tau(target, method, result.out_dir, val_prompts, train_cfg.live_max_new_tokens,
+        live = live_method_tau(target, method, Path(cfg.common.out_dir), val_prompts, train_cfg.live_max_new_tokens,
                                params.decode.pool_size)
         final = result.final
         metrics = {
@@ -147,16 +145,15 @@ def train_flow(params_path: str = "params.yaml", overrides: list[str] | None = N
             **{k: v for k, v in final.items() if k.startswith(("val_", "replay_"))},
             **live,
         }
-        if result.margin is not None:
-            metrics["margin"] = result.margin
-            metrics["margin_taus"] = {f"{m:g}": tau for m, tau in result.margin_taus.items()}
+        if result.tuned:
+            metrics["repair_margin_taus"] = {f"{m:g}": tau for m, tau in result.tuned.items()}
         tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith("live") or k.endswith("_closed")
                              or k == "ar_tokens_per_s"}, step=result.steps)
         fig = plot_joint(method, result, curve, Path(f"reports/joint_{method}.png"))
         tracker.log_figure(fig, f"plots/joint_{method}.png")
-        tracker.log_dict({"history": result.history, "margin_taus": {str(k): v for k, v in result.margin_taus.items()}},
+        tracker.log_dict({"history": result.history, "tuned": {str(k): v for k, v in result.tuned.items()}},
                          "history.json")
-        tracker.log_artifacts(result.out_dir, method)
+        tracker.log_artifacts(Path(cfg.common.out_dir) / method, method)
         write_metrics(f"joint_{method}", metrics)
     return metrics
 

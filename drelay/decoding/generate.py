@@ -18,31 +18,16 @@ from typing import Callable
 
 import torch
 
-from drelay.decoding.verify import rejection_accept, residual_noise, sample_tokens, target_probs
-from drelay.kernels.reference import kernel, use_triton
+from drelay.decoding.verify import rejection_accept, residual_noise, sample_tokens
+from drelay.kernels.ops import kernel_ops
+from drelay.kernels.reference import target_probs
 from drelay.models.drafter import BlockDrafter, DraftContextCache
+from drelay.models.repair import DraftBlock, RepairMethod
 from drelay.models.target import Target
 
 
 class ContextTooLongError(ValueError):
     """A prompt (plus the tokens asked for) longer than the target's context."""
-
-
-@dataclass
-class DraftBlock:
-    """What a repair method sees for one block. Positions i = 1..B-1 are the drafted ones."""
-
-    anchor_ids: torch.Tensor  # (b,) last committed token
-    anchor_pos: torch.Tensor  # (b,) its position; draft i sits at anchor_pos + i
-    hidden: torch.Tensor  # (b, B-1, H) drafter hidden h_i
-    logits: torch.Tensor | None  # (b, B-1, V) drafter logits z_i; None for a repair with needs_logits = False
-    pool_ids: torch.Tensor  # (b, B-1, k) top-k candidates, column 0 = native top-1
-    pool_logprobs: torch.Tensor  # (b, B-1, k) their log-probabilities under softmax(z_i)
-
-
-Repair = Callable[[DraftBlock], torch.Tensor]  # DraftBlock -> draft tokens (b, B-1)
-# A repair whose `needs_logits` attribute is False reads only the pool (DRelay): with the fused
-# lm_head_topk kernel the engine then never materialises the block's [B-1 x V] logits.
 
 
 @dataclass
@@ -131,6 +116,7 @@ class DecodeState:
     anchor: torch.Tensor  # (1,)
     anchor_pos: int
     tokens: list[int]  # committed new tokens, the anchor included
+    prompt_len: int = 0
 
 
 @dataclass
@@ -142,17 +128,40 @@ class StepRecord:
 
 
 class SpeculativeDecoder:
-    """Draft -> repair -> verify -> commit, with the target's and the drafter's caches kept in step."""
+    """Draft -> repair -> verify -> commit, with the target's and the drafter's caches kept in step.
 
-    def __init__(self, target: Target, drafter: BlockDrafter, repair: Repair | None = None,
+    `method`: any repair method (drelay/models/repair.py); None verifies the native top-1 (DFlash).
+    `reference`: the target's own new tokens for this prompt, for a method that reads the truth (the
+    oracle, T = 0 only). The fused ops are chosen once, here, for the target's device."""
+
+    def __init__(self, target: Target, drafter: BlockDrafter, method: RepairMethod | None = None,
                  block_size: int | None = None, pool_size: int = 8, temperature: float = 0.0,
-                 sampling_rule: str = "residual", generator: torch.Generator | None = None):
-        self.target, self.drafter, self.repair = target, drafter, repair
+                 sampling_rule: str = "residual", generator: torch.Generator | None = None,
+                 reference: list[int] | None = None):
+        self.target, self.drafter, self.method = target, drafter, method
         self.block_size = block_size or drafter.config.block_size
-        if self.block_size < 2:
-            raise ValueError(f"block_size must be >= 2 (anchor + at least one draft), got {self.block_size}")
+        if not 2 <= self.block_size <= drafter.config.block_size:
+            raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] (anchor + at least one "
+                             f"draft, at most the drafter's block), got {self.block_size}")
+        if pool_size < 1:
+            raise ValueError(f"pool_size must be >= 1, got {pool_size}")
+        if temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
+        if method is not None and method.needs_truth and (reference is None or temperature > 0):
+            raise ValueError(f"the {method.name} method reads the target's greedy output: pass `reference` "
+                             f"(AR's new tokens) and decode at T = 0")
         self.pool_size, self.temperature = pool_size, temperature
         self.sampling_rule, self.generator = sampling_rule, generator
+        self.reference = None if reference is None else torch.tensor(reference, dtype=torch.long)
+        self.needs_logits = method is not None and method.needs_logits
+        ops = kernel_ops(target.device)
+        if temperature == 0:
+            self.accept = lambda drafts, logits: ops.verify(drafts, logits)
+        elif sampling_rule == "residual" and ops.fused:  # the verify kernel, fed the draws rejection_accept makes
+            self.accept = self._fused_residual_accept
+        else:
+            self.accept = self._rejection_accept
+        self._verify = ops.verify
 
     def start(self, prompt_ids: list[int], stats: GenerationStats | None = None) -> DecodeState:
         """Prefill the target (capturing context features) and sample the first token (the anchor)."""
@@ -166,26 +175,32 @@ class SpeculativeDecoder:
         positions = torch.arange(len(prompt_ids), device=device)[None]
         self.drafter.extend_context(draft_cache, out.features, positions)
         stats.prefill_s += time.perf_counter() - t0
-        return DecodeState(cache, draft_cache, anchor, len(prompt_ids), [int(anchor)])
+        return DecodeState(cache, draft_cache, anchor, len(prompt_ids), [int(anchor)], len(prompt_ids))
+
+    def _truth(self, state: DecodeState, n: int) -> torch.Tensor | None:
+        """(1, n) the reference's tokens at the block's positions, -1 past its end (a method reading them)."""
+        if self.reference is None:
+            return None
+        index = state.anchor_pos + 1 + torch.arange(n) - state.prompt_len  # new-token index of draft i
+        known = (index >= 0) & (index < len(self.reference))
+        truth = torch.where(known, self.reference[index.clamp(0, max(len(self.reference) - 1, 0))], -1)
+        return truth[None].to(self.target.device)
 
     @torch.inference_mode()
     def propose(self, state: DecodeState) -> DraftBlock:
         """Drafter forward and candidate pool for the next block."""
         anchor_pos = torch.tensor([state.anchor_pos], device=self.target.device)
         hidden = self.drafter.draft_hidden(state.draft_cache, state.anchor, anchor_pos, self.block_size)
-        needs_logits = self.repair is not None and getattr(self.repair, "needs_logits", True)
-        logits, pool_ids, pool_logprobs = self.drafter.pool(hidden, self.pool_size, needs_logits)  # (b, B-1, k)
-        return DraftBlock(state.anchor, anchor_pos, hidden, logits, pool_ids, pool_logprobs)
+        logits, pool_ids, pool_logprobs = self.drafter.pool(hidden, self.pool_size, self.needs_logits)  # (b, B-1, k)
+        return DraftBlock(state.anchor, anchor_pos, hidden, logits, pool_ids, pool_logprobs,
+                          self._truth(state, self.block_size - 1))
 
-    def accept(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor):
-        """accept_len, next_token (b,) for the verification rows (DESIGN §1.5): the verify op at T = 0
-        and, on its Triton path, for the residual rule (fed the very draws `rejection_accept` makes)."""
-        if self.temperature == 0:
-            return kernel("verify", target_logits)(draft_tokens, target_logits)
-        if self.sampling_rule == "residual" and use_triton(target_logits):
-            uniforms, noise = residual_noise(draft_tokens.shape, target_logits.shape[-1], self.generator,
-                                             target_logits.device)
-            return kernel("verify", target_logits)(draft_tokens, target_logits, self.temperature, uniforms, noise)
+    def _fused_residual_accept(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor):
+        uniforms, noise = residual_noise(draft_tokens.shape, target_logits.shape[-1], self.generator,
+                                         target_logits.device)
+        return self._verify(draft_tokens, target_logits, self.temperature, uniforms, noise)
+
+    def _rejection_accept(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor):
         probs = target_probs(target_logits, self.temperature)
         return rejection_accept(draft_tokens, probs, self.generator, self.sampling_rule)
 
@@ -195,7 +210,7 @@ class SpeculativeDecoder:
         t0 = time.perf_counter()
         block = self.propose(state)
         t1 = time.perf_counter()
-        draft_tokens = block.pool_ids[..., 0] if self.repair is None else self.repair(block)
+        draft_tokens = block.pool_ids[..., 0] if self.method is None else self.method.select(block)
         t2 = time.perf_counter()
 
         n = self.block_size - 1
@@ -229,10 +244,11 @@ class SpeculativeDecoder:
 
 
 def speculative_generate(target: Target, drafter: BlockDrafter, prompt_ids: list[int], max_new_tokens: int,
-                         repair: Repair | None = None, block_size: int | None = None, temperature: float = 0.0,
+                         method: RepairMethod | None = None, block_size: int | None = None, temperature: float = 0.0,
                          pool_size: int = 8, stop_token_ids=(), sampling_rule: str = "residual",
-                         generator: torch.Generator | None = None) -> GenerationResult:
-    """Speculative decoding; `repair=None` verifies the drafter's native top-1 (DFlash)."""
-    decoder = SpeculativeDecoder(target, drafter, repair, block_size, pool_size, temperature,
-                                 sampling_rule, generator)
+                         generator: torch.Generator | None = None, reference: list[int] | None = None
+                         ) -> GenerationResult:
+    """Speculative decoding; `method=None` verifies the drafter's native top-1 (DFlash)."""
+    decoder = SpeculativeDecoder(target, drafter, method, block_size, pool_size, temperature,
+                                 sampling_rule, generator, reference)
     return decoder.generate(prompt_ids, max_new_tokens, stop_token_ids)

@@ -4,8 +4,9 @@ At T=0 a lossless decoder commits exactly the target's greedy continuation, so r
 anchor -> draft -> repair -> accept -> next anchor along a distilled sequence gives the same
 acceptance lengths as live decoding, without running the target. One context pass per batch of
 sequences serves every step; each step drafts one block per sequence. Any repair method plugs in
-(the same `DraftBlock -> tokens` hook as the live engine); the oracle picks the true token
-whenever it is in the pool (the upper bound for any repair).
+(the same `DraftBlock -> tokens` hook as the live engine, drelay/models/repair.py); each block
+carries the true tokens, so the oracle method picks the true token whenever it is in the pool (the
+upper bound for any repair).
 """
 
 from __future__ import annotations
@@ -14,13 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from drelay.decoding.generate import DraftBlock, Repair
+from drelay.data.records import IGNORE, Sequence, block_labels, pad_sequences
+from drelay.kernels.reference import candidate_pool
 from drelay.models.drafter import BlockDrafter
-from drelay.models.relay import candidate_pool
-from drelay.training.data import IGNORE, block_labels, pad_sequences
-from drelay.training.distill import Sequence
+from drelay.models.repair import DraftBlock, Repair
 
-ORACLE = "oracle"
 _COUNTERS = ("accepted_at", "reached", "pool_hit", "replaced_at", "replaced_right_at", "harmed_at")
 
 
@@ -83,16 +82,11 @@ class ReplayStats:
         return out
 
 
-def _oracle(block: DraftBlock, labels: torch.Tensor) -> torch.Tensor:
-    native = block.pool_ids[..., 0]
-    in_pool = (block.pool_ids == labels[..., None]).any(-1)
-    return torch.where(in_pool, labels, native)
-
-
 @torch.no_grad()
 def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | None = None, pool_size: int = 8,
-           repair: Repair | str | None = None, batch_size: int = 16, max_steps: int | None = None) -> ReplayStats:
-    """Acceptance statistics of a method along each sequence's response (anchor starts at P)."""
+           repair: Repair | None = None, batch_size: int = 16, max_steps: int | None = None) -> ReplayStats:
+    """Acceptance statistics of a method along each sequence's response (anchor starts at P).
+    `repair`: a repair method or any `DraftBlock -> tokens` hook; None: the native top-1."""
     B = block_size or drafter.config.block_size
     stats = ReplayStats(**{name: torch.zeros(B - 1) for name in _COUNTERS})
     device = drafter.fc.weight.device
@@ -115,14 +109,9 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
             hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B)[:, 0]  # (b, B-1, H)
             logits = drafter.logits(hidden).float()
             pool_ids, pool_logprobs = candidate_pool(logits, pool_size)
-            block = DraftBlock(tokens.gather(1, a)[:, 0], a[:, 0], hidden, logits, pool_ids, pool_logprobs)
             labels = block_labels(tokens, lengths, a, B)[:, 0]  # (b, B-1)
-            if repair is None:
-                draft = pool_ids[..., 0]
-            elif repair == ORACLE:
-                draft = _oracle(block, labels)
-            else:
-                draft = repair(block)
+            block = DraftBlock(tokens.gather(1, a)[:, 0], a[:, 0], hidden, logits, pool_ids, pool_logprobs, labels)
+            draft = pool_ids[..., 0] if repair is None else repair(block)
             match = (draft == labels) & (labels != IGNORE)
             prefix_ok = torch.cumprod(match.long(), dim=1)  # (b, B-1): accepted positions
             accept_len = prefix_ok.sum(1)

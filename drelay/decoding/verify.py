@@ -1,34 +1,15 @@
-"""Pure, batched acceptance rules for one verified block (DESIGN §1.5).
-
-A block is verified by one target forward over [anchor, d_1..d_n]; row i of the target's output
-(i = 0..n) is the distribution of the token after d_i (after the anchor for i = 0). So d_i is
-checked against row i-1, and the token committed after the accepted prefix of length a comes from
-row a: a correction when a < n, a bonus when every draft token was accepted.
+"""Verification at decoding time (DESIGN §1.5): the randomness of the lossless rules and DFlash's
+"sample and match" option. The acceptance maths itself is the kernels' spec
+(`drelay.kernels.reference`: greedy_accept, residual_accept, target_probs).
 """
 
 from __future__ import annotations
 
 import torch
 
+from drelay.kernels.reference import residual_accept, target_probs
+
 SAMPLING_RULES = ("residual", "match")
-
-
-def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
-    """Greedy verification.
-
-    draft_tokens (b, n), target_logits (b, n+1, V) -> accept_len (b,), next_token (b,).
-    accept_len counts the leading draft tokens equal to the target's argmax; next_token is the
-    target's argmax after that prefix, so the output equals plain greedy decoding.
-    """
-    target_tokens = target_logits.argmax(dim=-1)  # (b, n+1)
-    accept_len = (draft_tokens == target_tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
-    next_token = target_tokens.gather(1, accept_len[:, None]).squeeze(1)
-    return accept_len, next_token
-
-
-def target_probs(target_logits: torch.Tensor, temperature: float) -> torch.Tensor:
-    """softmax(logits / T) in float64, so acceptance and residuals are not distorted by rounding."""
-    return torch.softmax(target_logits.double() / temperature, dim=-1)
 
 
 def rejection_accept(draft_tokens: torch.Tensor, probs: torch.Tensor, generator: torch.Generator | None = None,
@@ -38,8 +19,7 @@ def rejection_accept(draft_tokens: torch.Tensor, probs: torch.Tensor, generator:
     draft_tokens (b, n), probs (b, n+1, V) = p_T at each row -> accept_len (b,), next_token (b,).
 
     residual (default): accept d_i with probability p(d_i); at the first rejection sample from
-      p with d_i removed and renormalised, i.e. from (p - q)+ for the point mass q = 1[d_i].
-      Then P(out = d_i) = p(d_i) and P(out = x) = (1 - p(d_i)) p(x) / (1 - p(d_i)) = p(x): exact.
+      p with d_i removed and renormalised (`residual_accept`, its draws made here).
     match (DFlash): sample x_i ~ p at every row and accept while x_i == d_i; the first mismatch x_i
       is the correction. For a point-mass draft this is the same distribution, drawn differently.
     """
@@ -64,25 +44,6 @@ def residual_noise(draft_shape, vocab_size: int, generator: torch.Generator | No
     uniforms = torch.rand(draft_shape, generator=generator, dtype=dtype, device=device)
     noise = torch.empty(draft_shape[0], vocab_size, dtype=dtype, device=device)
     return uniforms, noise.exponential_(1, generator=generator)
-
-
-def residual_accept(draft_tokens: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor, noise: torch.Tensor):
-    """The residual rule with its randomness given (see `rejection_accept` and `residual_noise`):
-    draft_tokens (b, n), probs (b, n+1, V), uniforms (b, n), noise (b, V) -> accept_len, next_token (b,)."""
-    b, n = draft_tokens.shape
-    rows = torch.arange(b, device=probs.device)
-    p_draft = probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (b, n)
-    accept_len = (uniforms < p_draft).long().cumprod(dim=1).sum(dim=1)
-    next_probs = probs[rows, accept_len].clone()  # (b, V): row after the accepted prefix
-    rejected = accept_len < n
-    if rejected.any():
-        rejected_tokens = draft_tokens[rows[rejected], accept_len[rejected]]
-        next_probs[rows[rejected], rejected_tokens] = 0.0
-    mass = next_probs.sum(dim=-1, keepdim=True)
-    # A rejected token that held all the mass cannot be rejected except through rounding; keep p then.
-    next_probs = torch.where(mass > 0, next_probs, probs[rows, accept_len])
-    next_token = (next_probs / noise).argmax(dim=-1)  # a draw from next_probs (as torch.multinomial)
-    return accept_len, next_token
 
 
 def sample_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None = None) -> torch.Tensor:

@@ -6,56 +6,29 @@ logits (counted); any other divergence is an engine bug and raises `Losslessness
 every method samples with its own generator seeded like AR's; outputs are not compared (they are
 equal in distribution, not token for token).
 
-The oracle (`ORACLE`) runs live at T=0 only: it knows AR's greedy output of
-the same prompt and picks that token whenever it is in the pool, at no repair cost.
+A method that reads the truth (the oracle) runs live at T=0 only: the engine hands it AR's greedy
+output of the same prompt, and it picks that token whenever it is in the pool, at no repair cost.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 from tqdm import tqdm
 
 from drelay.decoding.check import compare_to_ar
-from drelay.decoding.generate import DraftBlock, Repair, ar_generate, speculative_generate
-from drelay.decoding.replay import ORACLE
-from drelay.models.drafter import BlockDrafter
+from drelay.decoding.generate import ar_generate, speculative_generate
+from drelay.models.methods import Speculator
 from drelay.models.target import Target
+
 
 class LosslessnessError(RuntimeError):
     """A T=0 output that diverged from AR decoding where rounding cannot explain it."""
 
 
-@dataclass
-class LiveMethod:
-    """One method of a live comparison: its drafter and its repair hook (None: the native top-1;
-    ORACLE: the true token when it is in the pool, T=0 only)."""
-
-    drafter: BlockDrafter
-    repair: Repair | str | None = None
-
-
-def oracle_hook(prompt_len: int, reference: list[int]) -> Repair:
-    """A repair hook that knows the target's output `reference` (new tokens after a prompt of
-    `prompt_len`) and picks its token wherever it is in the pool; past its end, the native top-1."""
-    ref = torch.tensor(reference, dtype=torch.long)
-
-    def pick(block: DraftBlock) -> torch.Tensor:
-        native = block.pool_ids[..., 0]
-        n = native.shape[1]
-        index = block.anchor_pos[:, None].cpu() + 1 + torch.arange(n) - prompt_len  # new-token index of draft i
-        known = (index >= 0) & (index < len(ref))
-        truth = torch.where(known, ref[index.clamp(0, max(len(ref) - 1, 0))], -1).to(native.device)
-        in_pool = (block.pool_ids == truth[..., None]).any(-1)
-        return torch.where(in_pool, truth, native)
-
-    return pick
-
-
-def live_prompt(target: Target, methods: dict[str, LiveMethod], prompt_ids: list[int], max_new_tokens: int,
+def live_prompt(target: Target, methods: dict[str, Speculator], prompt_ids: list[int], max_new_tokens: int,
                 pool_size: int = 8, temperature: float = 0.0, seed: int = 0,
                 sampling_rule: str = "residual") -> dict[str, dict]:
     """AR, then every method, on one prompt. Returns {"ar": {...}, method: {...}} of plain numbers:
@@ -67,15 +40,11 @@ def live_prompt(target: Target, methods: dict[str, LiveMethod], prompt_ids: list
 
     ar = ar_generate(target, prompt_ids, max_new_tokens, temperature, stop_token_ids=stop, generator=generator())
     out = {"ar": {"tokens_per_s": ar.stats.tokens_per_s, "new_tokens": ar.stats.new_tokens, "wall_s": ar.stats.wall_s}}
-    for name, method in methods.items():
-        repair = method.repair
-        if repair == ORACLE:
-            if temperature > 0:
-                raise ValueError("the live oracle needs T=0 (it reads the target's greedy output)")
-            repair = oracle_hook(len(prompt_ids), ar.tokens)
-        res = speculative_generate(target, method.drafter, prompt_ids, max_new_tokens, repair=repair,
+    for name, spec in methods.items():
+        reference = ar.tokens if spec.method.needs_truth else None  # the oracle reads AR's output (T = 0)
+        res = speculative_generate(target, spec.drafter, prompt_ids, max_new_tokens, method=spec.method,
                                    temperature=temperature, pool_size=pool_size, stop_token_ids=stop,
-                                   sampling_rule=sampling_rule, generator=generator())
+                                   sampling_rule=sampling_rule, generator=generator(), reference=reference)
         s = res.stats
         record = {"tau": s.tau, "tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens, "wall_s": s.wall_s,
                   "steps": s.steps, "draft_s": s.draft_s, "repair_s": s.repair_s, "verify_s": s.verify_s}
@@ -118,7 +87,7 @@ def summarize_live(records: list[dict[str, dict]]) -> dict[str, dict[str, float]
     return out
 
 
-def live_compare(target: Target, methods: dict[str, LiveMethod], prompts: Iterable[list[int]], max_new_tokens: int,
+def live_compare(target: Target, methods: dict[str, Speculator], prompts: Iterable[list[int]], max_new_tokens: int,
                  pool_size: int = 8, desc: str = "live decoding", temperature: float = 0.0,
                  seed: int = 0) -> dict[str, dict[str, float]]:
     """`live_prompt` on each prompt (token ids), one after the other, so all methods see the same

@@ -10,26 +10,17 @@ second evaluation with the same target and settings reuses them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from drelay.decoding.generate import Repair
+from drelay.data.benchmarks import BenchmarkSample, conversation
+from drelay.data.records import Sequence, load_distilled
 from drelay.decoding.replay import ReplayStats, replay
-from drelay.eval.benchmarks import BenchmarkSample, conversation, load_benchmark
-from drelay.models.drafter import BlockDrafter
+from drelay.models.methods import Speculator
 from drelay.models.target import Target
-from drelay.training.distill import Sequence, distill, load_distilled
-
-
-@dataclass
-class ReplayMethod:
-    """A method as replay sees it: a drafter and its repair (None: native top-1; "oracle"; a hook)."""
-
-    drafter: BlockDrafter
-    repair: Repair | str | None = None
+from drelay.training.distill import distill
 
 
 def continuations(target: Target, samples: list[BenchmarkSample], out_dir: str | Path, *, max_new_tokens: int,
@@ -68,19 +59,14 @@ def continuations(target: Target, samples: list[BenchmarkSample], out_dir: str |
     return result
 
 
-def benchmark_continuations(target: Target, name: str, mirror: str | Path, limit: int | None, out_dir: str | Path,
-                            **kwargs) -> list[Sequence]:
-    """`continuations` of the first `limit` samples of benchmark `name` into `<out_dir>/<name>`."""
-    return continuations(target, load_benchmark(name, mirror, limit), Path(out_dir) / name, **kwargs)
-
-
 @torch.no_grad()
-def replay_methods(methods: dict[str, ReplayMethod], sequences: list[Sequence], pool_size: int,
+def replay_methods(methods: dict[str, Speculator], sequences: list[Sequence], pool_size: int,
                    autocast: bool = True) -> dict[str, ReplayStats]:
     """Every method replayed on the same sequences (bf16 autocast, as in training, when `autocast`)."""
     out = {}
-    for name, method in methods.items():
-        device = method.drafter.fc.weight.device.type
+    for name, spec in methods.items():
+        device = spec.drafter.fc.weight.device.type
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
-            out[name] = replay(method.drafter, sequences, pool_size=pool_size, repair=method.repair)
+            out[name] = replay(spec.drafter, sequences, pool_size=pool_size,
+                               repair=spec.method if spec.method.repairs else None)
     return out

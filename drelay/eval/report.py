@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from drelay.decoding.replay import ORACLE, ReplayStats  # noqa: E402
+from drelay.decoding.replay import ReplayStats  # noqa: E402
 from drelay.eval.run import AR, EvalResult  # noqa: E402
 
 REPAIR_COLUMNS = (("pool_hit", "pool-hit"), ("replace_rate", "replace"), ("repair_precision", "precision"),
@@ -89,7 +89,7 @@ def markdown(result: EvalResult, info: dict) -> str:
                           "from it at a near-tie of the target's top-2 logits (within the rounding of the run's "
                           f"dtype, {info.get('dtype', '?')}: a multi-token verification forward rounds differently "
                           "from a 1-token decode step); any other divergence fails the stage."]
-                if ORACLE in live:
+                if result.oracle in live:
                     lines += ["The live oracle follows AR's output; after such a divergence that reference no "
                               "longer describes the decoded path, so its live τ is a lower bound (its replay τ is exact)."]
         lines.append("")
@@ -117,7 +117,7 @@ def plot_tau(result: EvalResult, path: str | Path) -> plt.Figure:
         for j, m in enumerate(methods):
             xs = [i + (j - (len(methods) - 1) / 2) * width for i in range(len(benches))]
             ax.bar(xs, [rows[b][m].get("tau", 0.0) for b in benches], width, label=m,
-                   hatch="//" if m == ORACLE else None, alpha=0.6 if m == ORACLE else 0.9)
+                   hatch="//" if m == result.oracle else None, alpha=0.6 if m == result.oracle else 0.9)
         ax.axhline(1.0, color="gray", lw=0.8, ls="--")
         ax.set_xticks(range(len(benches)), benches)
         ax.set(ylabel="τ (replay)", title=f"{tkey}: acceptance length per benchmark")
@@ -133,7 +133,7 @@ def plot_acceptance(result: EvalResult, path: str | Path) -> plt.Figure:
         for m, stats in result.replay[tkey].items():
             blocks = float(stats.reached[0]) or 1.0
             values = (stats.accepted_at / blocks).tolist()
-            ax.plot(range(1, len(values) + 1), values, "o--" if m == ORACLE else "o-", label=m)
+            ax.plot(range(1, len(values) + 1), values, "o--" if m == result.oracle else "o-", label=m)
         ax.set(xlabel="block position i", ylabel="P(draft i accepted)", ylim=(0, 1.02),
                title=f"{tkey}: acceptance by block position")
         ax.legend(fontsize=8)
@@ -174,7 +174,7 @@ def plot_repair(result: EvalResult, path: str | Path, method: str = "drelay") ->
         ax.set(xlabel="block position i", ylabel="share of reached positions",
                title=f"{tkey}: {method}'s replacements by position")
         ax.legend(fontsize=8)
-        heads = [m for m in result.replay[tkey] if m not in ("dflash", ORACLE)]
+        heads = [m for m in result.replay[tkey] if m not in (result.native, result.oracle)]
         bottom = [0.0] * len(heads)
         for label, color in zip(("replaced, right", "replaced a right native (harm)", "replaced, both wrong"), colors):
             values = []

@@ -32,14 +32,13 @@ from typing import Callable
 import torch
 
 from drelay.config import EvalConfig
-from drelay.decoding.replay import ORACLE, ReplayStats
-from drelay.eval.benchmarks import load_benchmark
-from drelay.eval.live import LiveMethod, live_prompt, summarize_live
-from drelay.eval.replay_eval import ReplayMethod, continuations, replay_methods
-from drelay.models.drafter import BlockDrafter
+from drelay.data.benchmarks import load_prepared_benchmark
+from drelay.data.records import Sequence
+from drelay.decoding.replay import ReplayStats
+from drelay.eval.live import live_prompt, summarize_live
+from drelay.eval.replay_eval import continuations, replay_methods
+from drelay.models.methods import Speculator, load_speculator
 from drelay.models.target import Target
-from drelay.training.distill import Sequence
-from drelay.training.joint import load_method_head
 
 AR = "ar"
 # Part of every cell's stamp: bump it when a change to the code alters what a cell measures, so that
@@ -49,43 +48,19 @@ REPLAY_METRICS = ("tau", "pool_hit", "replace_rate", "repair_precision", "harm_r
 _COUNTERS = ("accepted_at", "reached", "pool_hit", "replaced_at", "replaced_right_at", "harmed_at")
 
 
-@dataclass
-class EvalMethod(ReplayMethod):
-    """A method under evaluation: a ReplayMethod (drafter, repair: None = native top-1, ORACLE or a
-    hook) and a fingerprint of the files it came from (a changed model invalidates its cells)."""
-
-    fingerprint: str = ""
-
-
-def folder_fingerprint(path: str | Path) -> str:
-    """sha256 over every file under `path` (relative names and contents)."""
-    digest = hashlib.sha256()
-    root = Path(path)
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(str(file.relative_to(root)).encode())
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:16]
-
-
 def load_methods(target: Target, joint_dir: str | Path, names: list[str] | tuple[str, ...],
-                 oracle_drafter: str = "dflash") -> dict[str, EvalMethod]:
-    """The trained methods among `names` from `<joint_dir>/<method>/` (drafter + head), and `oracle`
-    on the pool of `oracle_drafter`'s drafter. `ar` needs no model."""
-    out: dict[str, EvalMethod] = {}
-    for name in names:
-        if name == AR:
-            continue
-        source = oracle_drafter if name == ORACLE else name
-        folder = Path(joint_dir) / source
-        drafter = BlockDrafter.load(folder / "drafter", target).eval()
-        if name == ORACLE:
-            out[name] = EvalMethod(drafter, ORACLE, folder_fingerprint(folder / "drafter"))
-        else:
-            out[name] = EvalMethod(drafter, load_method_head(name, folder, target.embed_tokens),
-                                   folder_fingerprint(folder))
-    return out
+                 oracle_drafter: str = "dflash") -> dict[str, Speculator]:
+    """Every method among `names` (`ar` needs no model) from `<joint_dir>/<method>/`; a method that is not
+    trained (the oracle) on the drafter of `oracle_drafter`."""
+    return {name: load_speculator(target, joint_dir, name, oracle_drafter) for name in names if name != AR}
+
+
+def reference_methods(methods: dict[str, Speculator]) -> tuple[str | None, str | None]:
+    """The names of the native baseline (a method that never repairs) and of the oracle (a method that reads
+    the truth) among `methods`: the two ends of "share of the oracle gap closed"."""
+    native = next((n for n, sp in methods.items() if not sp.method.repairs), None)
+    oracle = next((n for n, sp in methods.items() if sp.method.needs_truth), None)
+    return native, oracle
 
 
 def temperature_key(t: float) -> str:
@@ -143,13 +118,16 @@ class EvalResult:
     replay: dict[str, dict[str, ReplayStats]] = field(default_factory=dict)
     live_records: dict[str, dict[str, list[dict]]] = field(default_factory=dict)
     sequences: dict[str, dict[str, int]] = field(default_factory=dict)
+    native: str | None = None  # the method that never repairs (dflash)
+    oracle: str | None = None  # the method that reads the truth (analysis only)
     reused: int = 0
     computed: int = 0
 
 
 def cell_metrics(method: str, stats: ReplayStats | None, live: dict | None, oracle: ReplayStats | None,
-                 dflash: ReplayStats | None, ar_tokens_per_s: float | None) -> dict[str, float]:
-    """One table cell: replay τ + repair statistics, live τ / tokens/s / speedup (/ identical rate)."""
+                 dflash: ReplayStats | None, ar_tokens_per_s: float | None, gap: bool = True) -> dict[str, float]:
+    """One table cell: replay τ + repair statistics, live τ / tokens/s / speedup (/ identical rate).
+    gap: report the share of the oracle gap closed (dflash: the native baseline; oracle: the oracle)."""
     if method == AR:
         out = {"tau": 1.0, "speedup": 1.0}
         if ar_tokens_per_s is not None:
@@ -160,7 +138,7 @@ def cell_metrics(method: str, stats: ReplayStats | None, live: dict | None, orac
         summary = stats.summary()
         out |= {k: summary[k] for k in REPLAY_METRICS}
         out["replay_sequences"] = len(stats.taus)
-        if dflash is not None and oracle is not None and method not in ("dflash", ORACLE):
+        if dflash is not None and oracle is not None and gap:
             gap = oracle.tau - dflash.tau
             out["oracle_gap_closed"] = (stats.tau - dflash.tau) / gap if gap > 1e-9 else 0.0
     if live:
@@ -173,7 +151,8 @@ def cell_metrics(method: str, stats: ReplayStats | None, live: dict | None, orac
     return out
 
 
-def mean_row(rows: dict[str, dict[str, dict[str, float]]], methods: list[str]) -> dict[str, dict[str, float]]:
+def mean_row(rows: dict[str, dict[str, dict[str, float]]], methods: list[str], native: str | None,
+             oracle: str | None) -> dict[str, dict[str, float]]:
     """The unweighted mean over benchmarks of every metric a method has on all of them; the share of
     the oracle gap closed from the mean τs (a mean of per-benchmark ratios would weigh benchmarks
     with a tiny gap like the others)."""
@@ -182,15 +161,15 @@ def mean_row(rows: dict[str, dict[str, dict[str, float]]], methods: list[str]) -
         cells = [rows[b][method] for b in rows]
         keys = set.intersection(*(set(c) for c in cells)) if cells else set()
         out[method] = {k: statistics.mean(c[k] for c in cells) for k in sorted(keys)}
-    base, oracle = out.get("dflash", {}).get("tau"), out.get(ORACLE, {}).get("tau")
+    base, top = out.get(native, {}).get("tau"), out.get(oracle, {}).get("tau")
     for method, cell in out.items():
-        if "oracle_gap_closed" in cell and base is not None and oracle is not None:
-            gap = oracle - base
+        if "oracle_gap_closed" in cell and base is not None and top is not None:
+            gap = top - base
             cell["oracle_gap_closed"] = (cell["tau"] - base) / gap if gap > 1e-9 else 0.0
     return out
 
 
-def run_grid(target: Target, methods: dict[str, EvalMethod], cfg: EvalConfig, *, mirror: str | Path,
+def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *, benchmarks_dir: str | Path,
              pool_size: int, sampling_rule: str = "residual", max_prompt_tokens: int = 384, seed: int = 0,
              log: Callable[[str], None] = print,
              on_cell: Callable[[int, int, str], None] | None = None) -> EvalResult:
@@ -203,7 +182,8 @@ def run_grid(target: Target, methods: dict[str, EvalMethod], cfg: EvalConfig, *,
     store = CellStore(out_dir / "cells")
     names = [m for m in cfg.methods if m == AR or m in methods]
     trained = [m for m in names if m != AR]
-    result = EvalResult()
+    native, oracle = reference_methods({m: methods[m] for m in trained})
+    result = EvalResult(native=native, oracle=oracle)
     total = sum(len(trained) + cfg.per_benchmark("live_samples", b) for b in cfg.benchmarks) * len(cfg.temperatures)
     done = 0
     target_fp = target.fingerprint()
@@ -221,7 +201,7 @@ def run_grid(target: Target, methods: dict[str, EvalMethod], cfg: EvalConfig, *,
         result.live_records[tkey], result.sequences[tkey] = {}, {}
         for bench in cfg.benchmarks:
             n, max_new = cfg.per_benchmark("samples", bench), cfg.per_benchmark("max_new_tokens", bench)
-            samples = load_benchmark(bench, mirror, n)
+            samples = load_prepared_benchmark(benchmarks_dir, bench, n)
             seqs: list[Sequence] = continuations(
                 target, samples, out_dir / "continuations" / tkey / bench, max_new_tokens=max_new,
                 max_prompt_tokens=max_prompt_tokens, batch_size=cfg.batch_size, temperature=temperature, seed=seed)
@@ -249,11 +229,12 @@ def run_grid(target: Target, methods: dict[str, EvalMethod], cfg: EvalConfig, *,
             result.live_records[tkey][bench] = records
             live = summarize_live(records)
             ar_tps = statistics.mean(r["ar"]["tokens_per_s"] for r in records) if records else None
-            tables[bench] = {name: cell_metrics(name, stats.get(name), live.get(name), stats.get(ORACLE),
-                                                stats.get("dflash"), ar_tps) for name in names}
+            tables[bench] = {name: cell_metrics(name, stats.get(name), live.get(name), stats.get(oracle),
+                                                stats.get(native), ar_tps, gap=name not in (native, oracle))
+                             for name in names}
             log(f"{tkey} {bench}: {len(seqs)} sequences; τ " + ", ".join(
                 f"{name} {stats[name].tau:.3f}" for name in trained))
-        tables["mean"] = mean_row(tables, names)
+        tables["mean"] = mean_row(tables, names, native, oracle)
         result.tables[tkey] = tables
         result.replay[tkey] = pooled
     return result
@@ -267,12 +248,13 @@ def _sequences_digest(seqs: list[Sequence]) -> str:
     return digest.hexdigest()[:16]
 
 
-def _live_cells(target: Target, methods: dict[str, EvalMethod], trained: list[str], seqs: list[Sequence],
+def _live_cells(target: Target, methods: dict[str, Speculator], trained: list[str], seqs: list[Sequence],
                 cfg: EvalConfig, bench: str, temperature: float, base: dict, store: CellStore, result: EvalResult,
                 pool_size: int, sampling_rule: str, seed: int, tick: Callable[[str], None]) -> list[dict]:
     """The live records of the first `live_samples` prompts of a benchmark (each one cell: AR and
-    every method on that prompt, in this process, back to back). The oracle runs live at T=0 only."""
-    live_names = [m for m in trained if not (m == ORACLE and temperature > 0)]
+    every method on that prompt, in this process, back to back). A method that reads the truth (the oracle)
+    runs live at T=0 only."""
+    live_names = [m for m in trained if not (methods[m].method.needs_truth and temperature > 0)]
     tkey = temperature_key(temperature)
     records = []
     n_live = cfg.per_benchmark("live_samples", bench)
@@ -284,8 +266,7 @@ def _live_cells(target: Target, methods: dict[str, EvalMethod], trained: list[st
         key = f"{tkey}/{bench}/live_{i:03d}"
         record = store.get(key, stamp)
         if record is None:
-            live = {m: LiveMethod(methods[m].drafter, methods[m].repair) for m in live_names}
-            record = live_prompt(target, live, ids, cfg.live_max_new_tokens, pool_size, temperature,
+            record = live_prompt(target, {m: methods[m] for m in live_names}, ids, cfg.live_max_new_tokens, pool_size, temperature,
                                  seed=seed + i, sampling_rule=sampling_rule)
             store.put(key, stamp, record)
             result.computed += 1

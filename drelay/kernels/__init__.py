@@ -1,1 +1,2 @@
-"""Fused ops (Triton) with their pure-torch references; `reference.kernel(op, *tensors)` picks one."""
+"""Fused ops (Triton) with their pure-torch references (`reference.py`, the spec); `ops.kernel_ops(device)`
+picks one set of them once."""

@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from drelay.kernels.reference import interpreting
+from drelay.kernels.ops import interpreting
 
 __all__ = ["check", "compute_dtype", "interpreting", "pow2"]
 

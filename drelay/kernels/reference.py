@@ -1,76 +1,102 @@
-"""Pure-torch definitions of DRelay's fused ops (the spec) and the one dispatch point.
+"""Pure-torch definitions of DRelay's ops: the spec every Triton kernel is tested against, and the code
+the CPU runs. Decoding and training import their acceptance rules and vocabulary-sized losses from here.
 
-Every op here has a Triton twin in `drelay/kernels/<op>.py` with the same signature and outputs;
-`kernel(op, *tensors)` picks one of the two:
-
-    DRELAY_KERNELS=auto       (default) Triton when every tensor is on CUDA, else this reference
-    DRELAY_KERNELS=triton     always Triton (on CPU only under TRITON_INTERPRET=1: the tests)
-    DRELAY_KERNELS=reference  always the reference (benchmarks, bisecting a kernel bug)
-
-On CPU `auto` is the reference, so CPU numbers are exactly what the plain torch code computes.
+Every fused op `<op>_ref` has a Triton twin `drelay/kernels/<op>.py:<op>` with the same signature
+and outputs; `drelay.kernels.ops.kernel_ops(device)` picks one set of them once (DRELAY_KERNELS).
+Imports only torch and drelay.data.records: importing the spec loads no model library.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
-import importlib.util
-import os
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-from drelay.decoding.verify import greedy_accept, residual_accept, target_probs
-from drelay.training.losses import dflash_ce, support_hinge
-
-BACKENDS = ("auto", "triton", "reference")
-ENV_VAR = "DRELAY_KERNELS"
-OPS = ("relay_select", "verify", "lm_head_topk", "support_loss")
+from drelay.data.records import IGNORE
 
 
-# ------------------------------------------------------------------------------------- dispatch
-def backend() -> str:
-    """The DRELAY_KERNELS setting, checked."""
-    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if mode not in BACKENDS:
-        raise ValueError(f"{ENV_VAR}={mode!r}: expected one of {BACKENDS}")
-    return mode
+# ----------------------------------------------------------------------------- acceptance rules
+# A block is verified by one target forward over [anchor, d_1..d_n]; row i of the target's output
+# (i = 0..n) is the distribution of the token after d_i (after the anchor for i = 0). So d_i is
+# checked against row i-1, and the token committed after the accepted prefix of length a comes from
+# row a: a correction when a < n, a bonus when every draft token was accepted (DESIGN §1.5).
+def greedy_accept(draft_tokens: torch.Tensor, target_logits: torch.Tensor):
+    """Greedy verification: draft_tokens (b, n), target_logits (b, n+1, V) -> accept_len (b,), next_token (b,).
+
+    accept_len counts the leading draft tokens equal to the target's argmax; next_token is the
+    target's argmax after that prefix, so the output equals plain greedy decoding.
+    """
+    target_tokens = target_logits.argmax(dim=-1)  # (b, n+1)
+    accept_len = (draft_tokens == target_tokens[:, :-1]).long().cumprod(dim=1).sum(dim=1)
+    next_token = target_tokens.gather(1, accept_len[:, None]).squeeze(1)
+    return accept_len, next_token
 
 
-def interpreting() -> bool:
-    """True when Triton runs its CPU interpreter (TRITON_INTERPRET=1, read when a kernel is defined)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+def target_probs(target_logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """softmax(logits / T) in float64, so acceptance and residuals are not distorted by rounding."""
+    return torch.softmax(target_logits.double() / temperature, dim=-1)
 
 
-@functools.cache
-def triton_installed() -> bool:
-    """Whether triton can be imported (looked up once: the dispatch runs several times per decoding step)."""
-    return importlib.util.find_spec("triton") is not None
+def residual_accept(draft_tokens: torch.Tensor, probs: torch.Tensor, uniforms: torch.Tensor, noise: torch.Tensor):
+    """The lossless residual rule for a point-mass draft at T > 0, its randomness given:
+    draft_tokens (b, n), probs (b, n+1, V) = p_T per row, uniforms (b, n), noise (b, V) ~ Exp(1)
+    -> accept_len, next_token (b,).
+
+    Accept d_i while uniforms[i] < p(d_i); at the first rejection draw from p with d_i removed and
+    renormalised ((p - q)+ for the point mass q = 1[d_i]): P(out = d_i) = p(d_i) and
+    P(out = x) = (1 - p(d_i)) p(x) / (1 - p(d_i)) = p(x), exact. The draw is argmax p'(x) / noise(x),
+    which is how torch.multinomial draws one sample.
+    """
+    b, n = draft_tokens.shape
+    rows = torch.arange(b, device=probs.device)
+    p_draft = probs[:, :-1].gather(-1, draft_tokens[..., None]).squeeze(-1)  # (b, n)
+    accept_len = (uniforms < p_draft).long().cumprod(dim=1).sum(dim=1)
+    next_probs = probs[rows, accept_len].clone()  # (b, V): row after the accepted prefix
+    rejected = accept_len < n
+    if rejected.any():
+        rejected_tokens = draft_tokens[rows[rejected], accept_len[rejected]]
+        next_probs[rows[rejected], rejected_tokens] = 0.0
+    mass = next_probs.sum(dim=-1, keepdim=True)
+    # A rejected token that held all the mass cannot be rejected except through rounding; keep p then.
+    next_probs = torch.where(mass > 0, next_probs, probs[rows, accept_len])
+    next_token = (next_probs / noise).argmax(dim=-1)  # a draw from next_probs (as torch.multinomial)
+    return accept_len, next_token
 
 
-def use_triton(*tensors: torch.Tensor) -> bool:
-    """Whether the ops on these tensors take the Triton path (see the module docstring)."""
-    mode = backend()
-    on_cuda = all(t.is_cuda for t in tensors)
-    if mode == "reference":
-        return False
-    if mode == "triton":
-        if not (on_cuda or interpreting()):
-            raise RuntimeError(f"{ENV_VAR}=triton needs CUDA tensors, or TRITON_INTERPRET=1 set before "
-                               f"triton is imported (CPU interpreter)")
-        return True
-    return on_cuda and triton_installed()
+# ------------------------------------------------------------------------------------ losses
+def position_weights(num_positions: int, gamma: float, device=None) -> torch.Tensor:
+    """w_i = exp(-(i-1)/gamma) for block positions i = 1..B-1: early positions matter most,
+    because a miss there discards everything after it."""
+    return torch.exp(-torch.arange(num_positions, device=device, dtype=torch.float32) / gamma)
 
 
-def kernel(op: str, *tensors: torch.Tensor) -> Callable:
-    """The implementation of `op` for these tensors: the Triton launcher or `<op>_ref`."""
-    if op not in OPS:
-        raise ValueError(f"unknown kernel op {op!r}; expected one of {OPS}")
-    if use_triton(*tensors):
-        return getattr(importlib.import_module(f"drelay.kernels.{op}"), op)
-    return globals()[f"{op}_ref"]
+def dflash_ce(logits: torch.Tensor, labels: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits (..., B-1, V), labels (..., B-1) -> (weighted mean CE, per-position CE (..., B-1))."""
+    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE,
+                         reduction="none").view(labels.shape)
+    weights = position_weights(labels.shape[-1], gamma, labels.device) * (labels != IGNORE)
+    return (ce * weights).sum() / weights.sum().clamp(min=1e-8), ce
+
+
+def support_hinge(logits: torch.Tensor, labels: torch.Tensor, k: int, hinge_margin: float = 1.0) -> torch.Tensor:
+    """mean softplus(z_(k) - z_y + hinge_margin): z_(k) is the k-th largest logit among the competitors
+    (the label excluded), so z_y > z_(k) means y is inside the top-k pool. logits (..., V), labels (...)."""
+    valid = labels != IGNORE
+    y = labels.clamp(min=0)[..., None]  # (..., 1)
+    z = logits.float()
+    z_y = z.gather(-1, y).squeeze(-1)
+    competitors = z.scatter(-1, y, float("-inf"))  # (..., V) without the label
+    z_k = competitors.topk(k, dim=-1).values[..., k - 1]
+    loss = F.softplus(z_k - z_y + hinge_margin) * valid
+    return loss.sum() / valid.sum().clamp(min=1)
+
+
+def pool_index(pool_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """pool_ids (..., k), labels (...) -> (index of the label in the pool (0 where absent), in_pool);
+    IGNORE labels are never in the pool."""
+    match = pool_ids == labels[..., None]  # (..., k)
+    return match.long().argmax(-1), match.any(-1) & (labels != IGNORE)
 
 
 # ------------------------------------------------------------------------------- relay_select
@@ -89,18 +115,18 @@ class SelectorWeights:
     prefix_proj: torch.Tensor | None  # (R, d) bilinear prefix factor, None when R = 0
 
 
-def keep_or_replace(sigma: torch.Tensor, margin: float) -> torch.Tensor:
-    """σ (b, k) -> the chosen pool index (b,): the native 0 unless the best alternative beats it by > margin."""
+def keep_or_replace(sigma: torch.Tensor, repair_margin: float) -> torch.Tensor:
+    """σ (b, k) -> the chosen pool index (b,): the native 0 unless the best alternative beats it by > repair_margin (δ)."""
     j = torch.zeros(sigma.shape[0], dtype=torch.long, device=sigma.device)
     if sigma.shape[1] > 1:
         best, alt = sigma[:, 1:].max(-1)
-        j = torch.where(best - sigma[:, 0] > margin, alt + 1, j)
+        j = torch.where(best - sigma[:, 0] > repair_margin, alt + 1, j)
     return j
 
 
 def relay_select_ref(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_hidden: torch.Tensor,
                      weights: SelectorWeights, cand_factor: torch.Tensor | None = None,
-                     logprobs: torch.Tensor | None = None, margin: float = 0.0):
+                     logprobs: torch.Tensor | None = None, repair_margin: float = 0.0):
     """DRelay's sequential selection of one block (DESIGN §1.4), batch rows independent.
 
     start_gates (b, 3d): GRU input gates W_i x + b_i of the anchor's prefix input.
@@ -111,7 +137,7 @@ def relay_select_ref(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_h
 
         h_i = GRU(x_i, h_{i-1});  r_i = LayerNorm(h_i)
         σ_{i,j} = w_out·GELU(cand_hidden_{i,j} + W_prefix r_i) + b_out + <c_{i,j}, P r_i>/√R + s_{i,j}
-        j*_i = argmax_{j>1} σ_{i,j} if that beats σ_{i,1} by more than `margin`, else 1;  x_{i+1} = cand_gates_{i,j*}
+        j*_i = argmax_{j>1} σ_{i,j} if that beats σ_{i,1} by more than `repair_margin` (δ), else 1;  x_{i+1} = cand_gates_{i,j*}
 
     Returns choice (b, n) (0-based pool index) and σ (b, n, k).
     """
@@ -135,7 +161,7 @@ def relay_select_ref(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_h
         if logprobs is not None:
             sigma = sigma + logprobs[:, i: i + 1]
         sigma = sigma[:, 0]  # (b, k)
-        j = keep_or_replace(sigma, margin)
+        j = keep_or_replace(sigma, repair_margin)
         choices.append(j)
         scores.append(sigma)
         gi = cand_gates[:, i].gather(1, j[:, None, None].expand(-1, 1, cand_gates.shape[-1]))  # (b, 1, 3d)
@@ -152,7 +178,7 @@ def verify_ref(draft_tokens: torch.Tensor, target_logits: torch.Tensor, temperat
     T > 0: the lossless residual rule with its randomness given: accept d_i while
     accept_uniforms[i] < p_T(d_i); the next token is argmax_x p'(x) / noise(x) over the row after the
     prefix, p' = p_T with a rejected d_i removed and noise (b, V) ~ Exp(1), which is a draw from p'
-    (the draw torch.multinomial makes).  `rejection_accept` draws exactly these from its generator.
+    (the draw torch.multinomial makes).  `drelay.decoding.verify.residual_noise` draws them.
     """
     if temperature == 0:
         return greedy_accept(draft_tokens, target_logits)
@@ -178,12 +204,12 @@ def lm_head_topk_ref(hidden: torch.Tensor, weight: torch.Tensor, k: int):
 
 # ------------------------------------------------------------------------------- support_loss
 def support_loss_ref(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, k: int, gamma: float,
-                     margin: float = 1.0):
+                     hinge_margin: float = 1.0):
     """Training's vocabulary-sized terms from the (normed) hidden states: hidden (..., n, H), the LM
     head's weight (V, H), labels (..., n) -> `dflash_ce` (position-weighted mean CE), `support_hinge`
-    (mean softplus(z_(k) - z_y + margin)) and the detached candidate pool (..., n, k) of the same logits."""
+    (mean softplus(z_(k) - z_y + hinge_margin)) and the detached candidate pool (..., n, k) of the same logits."""
     logits = F.linear(hidden, weight)  # (..., n, V)
     ce, _ = dflash_ce(logits, labels, gamma)
-    hinge = support_hinge(logits, labels, k, margin)
+    hinge = support_hinge(logits, labels, k, hinge_margin)
     pool_ids, pool_logprobs = candidate_pool(logits.detach(), k)
     return ce, hinge, pool_ids, pool_logprobs

@@ -1,5 +1,5 @@
 """relay_select: DRelay's whole sequential selection of a block (GRU prefix state, candidate scores,
-keep-or-replace with margin δ) in one launch, one program per batch row (spec: `relay_select_ref`).
+keep-or-replace with the repair margin δ) in one launch, one program per batch row (spec: `relay_select_ref`).
 
 The torch loop pays B-1 steps of ~15 small ops each (~200 launches per block on CUDA); here each
 program walks the block itself. The GRU state lives in a two-slot scratch row in global memory
@@ -28,7 +28,7 @@ def _matvec(w, rows, row_ok, cols, col_ok, ld, x, ACC: tl.constexpr):
 def _relay_select_kernel(start_gates, cand_gates, cand_hidden, cand_factor, logprobs,
                          w_hh, b_hh, norm_w, norm_b, w_prefix, w_out, b_out, prefix_proj,
                          state, choice_out, sigma_out,
-                         n, k, d, rank, margin, eps, bilinear_scale,
+                         n, k, d, rank, repair_margin, eps, bilinear_scale,
                          BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                          BLOCK_RANK: tl.constexpr, HAS_BILINEAR: tl.constexpr, HAS_LOGPROBS: tl.constexpr,
                          ACC: tl.constexpr):
@@ -88,18 +88,18 @@ def _relay_select_kernel(start_gates, cand_gates, cand_hidden, cand_factor, logp
         if HAS_LOGPROBS:
             sigma += tl.load(logprobs + first + cands, mask=cand_ok, other=0.0).to(ACC)
         tl.store(sigma_out + first + cands, sigma, mask=cand_ok)
-        # keep the native (j = 0) unless the best alternative beats it by more than the margin
+        # keep the native (j = 0) unless the best alternative beats it by more than the repair margin δ
         alternatives = tl.where(cand_ok & (cands > 0), sigma, float("-inf"))
         best = tl.max(alternatives, axis=0)
         native = tl.sum(tl.where(cands == 0, sigma, 0.0), axis=0)
-        j = tl.where(best - native > margin, tl.argmax(alternatives, axis=0), 0)
+        j = tl.where(best - native > repair_margin, tl.argmax(alternatives, axis=0), 0)
         tl.store(choice_out + row * n + i, j.to(tl.int64))
         gates = cand_gates + (first + j) * 3 * d
 
 
 def relay_select(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_hidden: torch.Tensor,
                  weights: SelectorWeights, cand_factor: torch.Tensor | None = None,
-                 logprobs: torch.Tensor | None = None, margin: float = 0.0):
+                 logprobs: torch.Tensor | None = None, repair_margin: float = 0.0):
     """Triton `relay_select_ref`: choice (b, n) int64 and σ (b, n, k)."""
     check("cand_hidden", cand_hidden, (None, None, None, None))
     b, n, k, d = cand_hidden.shape
@@ -136,7 +136,7 @@ def relay_select(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_hidde
         weights.w_hh.contiguous(), weights.b_hh.contiguous(), weights.norm_weight.contiguous(),
         weights.norm_bias.contiguous(), weights.w_prefix.contiguous(), weights.w_out.contiguous(),
         weights.b_out.contiguous(), dummy if weights.prefix_proj is None else weights.prefix_proj.contiguous(),
-        scratch, choice, sigma, n, k, d, rank, float(margin), float(weights.norm_eps),
+        scratch, choice, sigma, n, k, d, rank, float(repair_margin), float(weights.norm_eps),
         1.0 / rank ** 0.5 if rank else 0.0,
         BLOCK_D=block_d, BLOCK_K=pow2(k), BLOCK_ROWS=rows, BLOCK_RANK=pow2(rank),
         HAS_BILINEAR=rank > 0, HAS_LOGPROBS=logprobs is not None, ACC=compute_dtype(dtype),

@@ -19,8 +19,8 @@ import triton.language as tl
 
 from drelay.kernels.launch import check, interpreting, pow2
 from drelay.kernels.lm_head_topk import lm_head_topk_logits
-from drelay.training.data import IGNORE
-from drelay.training.losses import position_weights
+from drelay.data.records import IGNORE
+from drelay.kernels.reference import position_weights
 
 CUDA_CHUNK = 8192  # vocabulary columns per backward step on CUDA: N x 8192 fp32 logits at a time
 
@@ -49,7 +49,7 @@ class _SupportLoss(torch.autograd.Function):
     """(N, H) rows: ce, hinge (scalars, differentiable in hidden and weight), pool_ids, pool_logprobs."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, k: int, margin: float, chunk: int):
+    def forward(ctx, hidden, weight, labels, row_weights, k: int, hinge_margin: float, chunk: int):
         vals, ids, lse = lm_head_topk_logits(hidden, weight, k + 1)  # (N, k+1) sorted, (N,)
         valid = labels != IGNORE
         y = labels.clamp(min=0)
@@ -60,7 +60,7 @@ class _SupportLoss(torch.autograd.Function):
         w = row_weights * valid
         w_sum, count = w.sum().clamp(min=1e-8), valid.sum().clamp(min=1)
         ce = ((lse - z_y) * w).sum() / w_sum
-        gap = z_rival - z_y + margin
+        gap = z_rival - z_y + hinge_margin
         hinge = (F.softplus(gap) * valid).sum() / count
         ctx.save_for_backward(hidden, weight, y, rival, lse, w / w_sum, torch.sigmoid(gap) * valid / count)
         ctx.chunk = chunk
@@ -95,7 +95,7 @@ class _SupportLoss(torch.autograd.Function):
 
 
 def support_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, k: int, gamma: float,
-                 margin: float = 1.0, chunk_size: int | None = None):
+                 hinge_margin: float = 1.0, chunk_size: int | None = None):
     """Triton `support_loss_ref`: ce, hinge (scalars), pool_ids (..., n, k) int64, pool_logprobs (..., n, k).
 
     chunk_size: vocabulary columns per backward step (default 8192 on CUDA: N x 8192 fp32 logits)."""
@@ -109,6 +109,6 @@ def support_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     n = labels.shape[-1]
     row_weights = position_weights(n, gamma, labels.device).expand(labels.shape).reshape(-1)
     ce, hinge, pool_ids, pool_logprobs = _SupportLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                                            labels.reshape(-1), row_weights, k, margin, chunk)
+                                                            labels.reshape(-1), row_weights, k, hinge_margin, chunk)
     lead = labels.shape
     return ce, hinge, pool_ids.view(*lead, k), pool_logprobs.view(*lead, k)

@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drelay.kernels.reference import candidate_pool, kernel, use_triton
+from drelay.kernels.ops import Ops, REFERENCE, kernel_ops
+from drelay.kernels.reference import candidate_pool
 from drelay.models.folder import load_folder, save_folder
 from drelay.models.target import Target, context_layer_ids
 
@@ -171,6 +172,7 @@ class BlockDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mask_embedding = nn.Parameter(torch.zeros(cfg.hidden_size))
         self.shared: _SharedParts | None = None
+        self.ops: Ops = REFERENCE  # the fused ops of the device it is attached on (attach chooses them)
         self.reset_parameters()
 
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -196,6 +198,8 @@ class BlockDrafter(nn.Module):
                 f"vocabulary, width or shared embedding/LM-head weights differ")
         self.shared = _SharedParts(target.embed_tokens, target.lm_head)
         target.set_layer_ids(self.config.target_layer_ids)
+        # the fused LM-head top-k needs a bias-free head; chosen once here, never per call
+        self.ops = kernel_ops(target.device) if getattr(target.lm_head, "bias", None) is None else REFERENCE
         return self
 
     def save(self, path: str | Path) -> Path:
@@ -266,15 +270,15 @@ class BlockDrafter(nn.Module):
     def pool(self, hidden: torch.Tensor, k: int, with_logits: bool = True):
         """logits (..., V) or None, pool_ids, pool_logprobs (..., k) of hidden (..., H) (DESIGN §1.2).
 
-        The reference path computes the logits and takes their top-k (`candidate_pool`). The fused
-        `lm_head_topk` kernel (Triton path) never materialises them: then logits are computed only
-        when `with_logits` asks for them (a repair head that reads the whole distribution)."""
+        The reference ops compute the logits and take their top-k (`candidate_pool`). The fused
+        `lm_head_topk` kernel never materialises them: then logits are computed only when
+        `with_logits` asks for them (a repair method that reads the whole distribution)."""
         normed = self.norm(hidden)
         head = self.shared.lm_head
-        if getattr(head, "bias", None) is not None or not use_triton(normed):
+        if not self.ops.fused:
             logits = head(normed)
             return (logits, *candidate_pool(logits, k))
-        pool_ids, pool_logprobs, _ = kernel("lm_head_topk", normed)(normed.to(head.weight.dtype), head.weight, k)
+        pool_ids, pool_logprobs, _ = self.ops.lm_head_topk(normed.to(head.weight.dtype), head.weight, k)
         return (head(normed) if with_logits else None), pool_ids, pool_logprobs
 
     def forward_anchored(self, ctx_kv, anchors: torch.Tensor, anchor_ids: torch.Tensor,

@@ -29,7 +29,11 @@ def load_folder(path: str | Path, module_cls, config_cls, error_cls: type[Except
     """`module_cls(config_cls(**config.json))` with the saved weights, in eval mode, on the CPU."""
     path = Path(path)
     try:
-        config = config_cls(**json.loads((path / CONFIG_NAME).read_text()))
+        values = json.loads((path / CONFIG_NAME).read_text())
+        for old, new in getattr(config_cls, "renamed_keys", {}).items():  # folders saved before a rename
+            if old in values and new not in values:
+                values[new] = values.pop(old)
+        config = config_cls(**values)
     except FileNotFoundError as err:
         raise error_cls(f"no {what} at {path}: {CONFIG_NAME} is missing") from err
     except (json.JSONDecodeError, TypeError, ValueError) as err:

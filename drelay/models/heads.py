@@ -19,21 +19,20 @@ backbone's DFlash CE part included, as that method defines it.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, fields
-from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drelay.data.records import IGNORE
+from drelay.kernels.reference import candidate_pool, dflash_ce, pool_index, position_weights
 from drelay.models.folder import EmbeddingBoundFolder, SharedEmbedding
-from drelay.models.relay import candidate_pool
-from drelay.training.data import IGNORE
-from drelay.training.losses import dflash_ce, pool_index, position_weights
+from drelay.models.repair import DraftBlock, RepairMethod, bf16_autocast
 
 if TYPE_CHECKING:
-    from drelay.decoding.generate import DraftBlock
     from drelay.models.drafter import BlockDrafter
 
 
@@ -116,13 +115,13 @@ def _wide(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype == torch.float64 else x.float()
 
 
-class RepairHead(EmbeddingBoundFolder, nn.Module):
+class RepairHead(EmbeddingBoundFolder, RepairMethod):
     """What the three heads share: construction, save/load, the parallel teacher-forced pass, the
     sequential repair loop and the loss skeleton. A subclass defines `_context`, `_score`, `_loss`."""
 
-    kind = ""
     config_cls: type[HeadConfig] = HeadConfig
     folder_error = HeadError
+    folder_name = "head"  # <joint.out_dir>/<name>/head
 
     def __init__(self, cfg: HeadConfig):
         super().__init__()
@@ -142,17 +141,27 @@ class RepairHead(EmbeddingBoundFolder, nn.Module):
         w = drafter.fc.weight
         return cls(cfg).to(device=w.device, dtype=w.dtype).attach(embed)
 
+    @classmethod
+    def _create(cls, drafter: BlockDrafter, settings, pool_size: int) -> "RepairHead":
+        """`settings` (joint.<name>): its fields are this head's config fields of the same names."""
+        return cls.for_drafter(drafter, pool_size=pool_size, **dataclasses.asdict(settings))
+
+    def joint_loss(self, drafter, hidden, labels, anchor_ids, *, gamma, progress):
+        with bf16_autocast(hidden):
+            return self.training_loss(hidden, drafter.logits(hidden), labels, anchor_ids, gamma=gamma,
+                                      progress=progress)
+
     def attach(self, embed_tokens: nn.Module) -> "RepairHead":
         shape, cfg = tuple(embed_tokens.weight.shape), self.config
         if shape != (cfg.vocab_size, cfg.hidden_size):
-            raise HeadError(f"embedding of shape {shape} does not fit the {self.kind} head's "
+            raise HeadError(f"embedding of shape {shape} does not fit the {self.name} head's "
                             f"vocab_size x hidden_size = {cfg.vocab_size} x {cfg.hidden_size}")
         self.shared = SharedEmbedding(embed_tokens)
         return self
 
     @classmethod
     def folder_what(cls) -> str:
-        return f"{cls.kind} head"
+        return f"{cls.name} head"
 
     @property
     def dtype(self) -> torch.dtype:
@@ -160,7 +169,7 @@ class RepairHead(EmbeddingBoundFolder, nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shared is None:
-            raise HeadError(f"{self.kind} head has no embedding: call head.attach(target.embed_tokens) first")
+            raise HeadError(f"{self.name} head has no embedding: call head.attach(target.embed_tokens) first")
         return self.shared.embed_tokens(ids).to(self.dtype)
 
     # ------------------------------------------------------------------ what a subclass defines
@@ -224,10 +233,6 @@ class RepairHead(EmbeddingBoundFolder, nn.Module):
         tokens = torch.cat(tokens, dim=1)
         return (tokens, torch.stack(scores, dim=1)) if return_scores else tokens
 
-    def forward(self, block: DraftBlock) -> torch.Tensor:
-        """The engine's repair hook: `speculative_generate(..., repair=head)`."""
-        return self.select(block)
-
     @staticmethod
     def weights(labels: torch.Tensor, gamma: float) -> torch.Tensor:
         """Position weights exp(-(i-1)/γ) (..., n), zero on IGNORE padding."""
@@ -261,7 +266,7 @@ class DFlash2Selector(RepairHead):
     its own h_i, z_i and the token chosen at i-1. It re-ranks its own top-k (config.pool_size, what it
     was trained on) of block.logits, whatever pool size the engine uses."""
 
-    kind = "dflash2"
+    name = "dflash2"
     config_cls = DFlash2Config
 
     def __init__(self, cfg: DFlash2Config):
@@ -302,7 +307,7 @@ class DominoHead(RepairHead):
     """Domino: a GRU over the frozen embeddings of the tokens chosen so far (anchor first); its state
     with h_i gives low-rank residual logits over the full vocabulary, added to z_i."""
 
-    kind = "domino"
+    name = "domino"
     config_cls = DominoConfig
 
     def __init__(self, cfg: DominoConfig):
@@ -341,7 +346,7 @@ class DSparkHead(RepairHead):
     """DSpark: a low-rank Markov bigram bias W2(W1[ŷ_{i-1}]) over the full vocabulary added to z_i, and a
     confidence head σ(Linear([h_i; W1[ŷ_{i-1}]])) predicting whether position i's choice is right."""
 
-    kind = "dspark"
+    name = "dspark"
     config_cls = DSparkConfig
 
     def __init__(self, cfg: DSparkConfig):
@@ -388,19 +393,4 @@ class DSparkHead(RepairHead):
         return markov + self.config.lambda_conf * bce, {"markov_ce": markov, "conf_bce": bce}
 
 
-HEADS: dict[str, type[RepairHead]] = {"dflash2": DFlash2Selector, "domino": DominoHead, "dspark": DSparkHead}
-
-
-def _head_class(name: str) -> type[RepairHead]:
-    if name not in HEADS:
-        raise ValueError(f"unknown repair head {name!r}; known: {', '.join(HEADS)}")
-    return HEADS[name]
-
-
-def make_head(name: str, drafter: BlockDrafter, pool_size: int = 8, **kwargs) -> RepairHead:
-    """A fresh head `name` for `drafter`; kwargs go to its config."""
-    return _head_class(name).for_drafter(drafter, pool_size=pool_size, **kwargs)
-
-
-def load_head(name: str, path: str | Path, embed_tokens: nn.Module | None = None) -> RepairHead:
-    return _head_class(name).load(path, embed_tokens)
+HEADS: dict[str, type[RepairHead]] = {cls.name: cls for cls in (DFlash2Selector, DominoHead, DSparkHead)}

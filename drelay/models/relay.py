@@ -6,7 +6,7 @@ repairs the drafter's native choices left to right (DESIGN §1.2-§1.4).
                -> R pre-norm encoder layers, FULL attention over the (B-1)*k candidates -> g_{i,j}
     selector : r_i = GRU(proj(E(ŷ_m)) + g_{m,chosen} for m < i), ŷ_0 = anchor
                σ_{i,j} = s_{i,j} + MLP([g_{i,j}; r_i]) + <P g_{i,j}, Q r_i>;
-               replace the native only if max_{j>1} σ_{i,j} - σ_{i,1} > δ
+               replace the native only if max_{j>1} σ_{i,j} - σ_{i,1} > δ (the repair margin)
 
 The score is a residual on the drafter's own log-prob (its last layer starts at zero), so an untrained
 selector ranks exactly like the drafter and keeps every native choice; training learns the corrections.
@@ -15,11 +15,13 @@ The low-rank bilinear term lets a candidate and the chosen prefix interact direc
 `residual: false` gives the plain σ = MLP([g; r]) (an ablation).
 
 `score` runs the selector teacher-forced on the true tokens (training, all positions at once);
-`select` runs it sequentially on its own choices (inference, the engine's `repair=` hook).
+`select` runs it sequentially on its own choices (inference, the engine's repair hook); `joint_loss`
+is the method's whole joint objective (drelay/models/repair.py has the interface).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,13 +29,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drelay.kernels.reference import SelectorWeights, candidate_pool, keep_or_replace, kernel
+from drelay.kernels.ops import Ops, REFERENCE, kernel_ops
+from drelay.kernels.reference import SelectorWeights, candidate_pool, keep_or_replace
 from drelay.models.folder import EmbeddingBoundFolder, SharedEmbedding
+from drelay.models.relay_loss import drelay_loss, drelay_loss_from_terms
+from drelay.models.repair import DraftBlock, RepairMethod, Score, bf16_autocast
 
 if TYPE_CHECKING:
-    from drelay.decoding.generate import DraftBlock
-
-__all__ = ["DRelay", "RelayConfig", "RelayError", "candidate_pool"]  # candidate_pool: re-exported
+    from drelay.config import DRelaySettings
+    from drelay.models.drafter import BlockDrafter
 
 MIN_LOGPROB = -30.0  # pool log-probs are clamped here before f(s): lower all means "never"
 
@@ -51,16 +55,18 @@ class RelayConfig:
     reader_heads: int = 4
     pool_size: int = 8  # k candidates per position (rank embeddings for k)
     prefix_model: str = "gru"  # r_i: "gru", or "attn" (1-layer causal attention)
-    margin: float = 0.0  # δ >= 0: a replacement must beat the native's score by more than this
+    repair_margin: float = 0.0  # δ >= 0: a replacement must beat the native's score by more than this
     residual: bool = True  # σ = s (the drafter's log-prob) + MLP: starts as the native ranking
     bilinear_rank: int = 64  # rank of the candidate x prefix-state bilinear score term (0: none)
     dropout: float = 0.0
 
+    renamed_keys = {"margin": "repair_margin"}  # config.json keys of relays saved before a rename
+
     def __post_init__(self):
         if self.prefix_model not in ("gru", "attn"):
             raise ValueError(f"prefix_model must be 'gru' or 'attn', got {self.prefix_model!r}")
-        if self.margin < 0:
-            raise ValueError(f"margin (δ) must be >= 0, got {self.margin}")
+        if self.repair_margin < 0:
+            raise ValueError(f"repair_margin (δ) must be >= 0, got {self.repair_margin}")
         if self.block_size < 2 or self.pool_size < 1 or self.reader_dim % self.reader_heads:
             raise ValueError(f"need block_size >= 2, pool_size >= 1 and reader_dim divisible by "
                              f"reader_heads, got {self.block_size}, {self.pool_size}, "
@@ -193,10 +199,11 @@ class CausalSelector(nn.Module):
         return self.score(g, self.prefix_states(inputs)[0], logprobs)
 
 
-class DRelay(EmbeddingBoundFolder, nn.Module):
-    """Reader + selector. `score`: teacher-forced training pass; `select` / `__call__`: the repair hook."""
+class DRelay(EmbeddingBoundFolder, RepairMethod):
+    """Reader + selector. `score`: teacher-forced training pass; `select`: the repair hook."""
 
     config_cls, folder_error = RelayConfig, RelayError
+    name, folder_name = "drelay", "relay"
     needs_logits = False  # the engine's repair hook reads only the pool (fused lm_head_topk: no logits)
 
     def __init__(self, cfg: RelayConfig):
@@ -205,24 +212,77 @@ class DRelay(EmbeddingBoundFolder, nn.Module):
         self.reader = GlobalReader(cfg)
         self.selector = CausalSelector(cfg)
         self.shared: SharedEmbedding | None = None
+        self.ops: Ops = REFERENCE
+        self.settings: DRelaySettings | None = None  # the joint objective's settings (set by `create`)
 
     @classmethod
-    def for_drafter(cls, drafter, **kwargs) -> "DRelay":
-        """A fresh relay sized for `drafter` (a BlockDrafter), on its device and dtype, bound to its embedding."""
+    def for_drafter(cls, drafter: BlockDrafter, **kwargs) -> "DRelay":
+        """A fresh relay sized for `drafter`, on its device and dtype, bound to its embedding."""
         cfg = RelayConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.config.block_size, **kwargs)
         w = drafter.fc.weight
         return cls(cfg).to(device=w.device, dtype=w.dtype).attach(drafter.shared.embed_tokens)
+
+    @classmethod
+    def _create(cls, drafter: BlockDrafter, settings: DRelaySettings, pool_size: int) -> "DRelay":
+        relay = cls.for_drafter(drafter, reader_dim=settings.reader_dim, reader_layers=settings.reader_layers,
+                                reader_heads=settings.reader_heads, pool_size=pool_size,
+                                prefix_model=settings.prefix_model, residual=settings.residual_score,
+                                bilinear_rank=settings.bilinear_rank)
+        relay.settings = settings
+        return relay
 
     def attach(self, embed_tokens: nn.Module) -> "DRelay":
         width = embed_tokens.weight.shape[-1]
         if width != self.config.hidden_size:
             raise RelayError(f"embedding width {width} != relay hidden_size {self.config.hidden_size}")
         self.shared = SharedEmbedding(embed_tokens)
+        self.ops = kernel_ops(embed_tokens.weight.device)  # relay_select / support_loss, chosen once
         return self
 
     @classmethod
     def folder_what(cls) -> str:
         return "relay"
+
+    # ------------------------------------------------------------------ the repair-method interface
+    def joint_loss(self, drafter, hidden, labels, anchor_ids, *, gamma, progress):
+        """L = CE + λ_s·(hinge + reader BCE) + λ_r·ω-weighted repair CE (`drelay_loss`): the pool from the
+        detached logits, σ teacher-forced on the labels. The fused ops compute CE, hinge and pool without
+        the logits (they stay fp32 inside the kernel, where autocast would round them to bf16)."""
+        cfg = self.settings
+        if cfg is None:
+            raise RelayError("this relay has no training settings: make it with DRelay.create(drafter, settings, ...)")
+        k = self.config.pool_size
+        with bf16_autocast(hidden):
+            if self.ops.fused:
+                normed = drafter.norm(hidden)
+                weight = drafter.shared.lm_head.weight
+                ce, hinge, pool_ids, pool_logprobs = self.ops.support_loss(
+                    normed.to(weight.dtype), weight, labels, k, gamma, cfg.hinge_margin)
+                sigma, support = self.score(hidden, pool_ids, pool_logprobs, anchor_ids, labels)
+                return drelay_loss_from_terms(ce, hinge, labels, sigma, support, pool_ids,
+                                              lambda_support=cfg.lambda_support, lambda_repair=cfg.lambda_repair,
+                                              eps=cfg.eps)
+            logits = drafter.logits(hidden)  # (..., n, V)
+            pool_ids, pool_logprobs = candidate_pool(logits.detach(), k)  # (..., n, k)
+            sigma, support = self.score(hidden, pool_ids, pool_logprobs, anchor_ids, labels)
+        return drelay_loss(logits, labels, sigma, support, pool_ids, gamma=gamma, lambda_support=cfg.lambda_support,
+                           lambda_repair=cfg.lambda_repair, hinge_margin=cfg.hinge_margin, eps=cfg.eps)
+
+    def tune(self, score: Score) -> dict[float, float]:
+        """δ with the highest held-out replay τ among settings.repair_margins (ties: the smallest δ)."""
+        margins = self.settings.repair_margins if self.settings else (self.config.repair_margin,)
+        taus = {float(m): score(lambda block, m=float(m): self.select(block, repair_margin=m)) for m in sorted(margins)}
+        self.config = dataclasses.replace(self.config, repair_margin=max(taus, key=lambda m: (taus[m], -m)))
+        return taus
+
+    def method_state(self) -> dict:
+        return {"repair_margin": self.config.repair_margin}
+
+    def load_method_state(self, state: dict) -> None:
+        self.config = dataclasses.replace(self.config, repair_margin=state["repair_margin"])
+
+    def eval_metrics(self) -> dict[str, float]:
+        return {"repair_margin": self.config.repair_margin}
 
     # ------------------------------------------------------------------------------ computation
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -265,13 +325,14 @@ class DRelay(EmbeddingBoundFolder, nn.Module):
 
     @torch.no_grad()
     def select(self, block: DraftBlock, return_scores: bool = False, prefix_ids: torch.Tensor | None = None,
-               margin: float | None = None):
+               repair_margin: float | None = None):
         """Repair one block left to right: tokens (b, n) [, σ (b, n, k)].
 
-        Keeps the native c_{i,1} unless max_{j>1} σ_{i,j} - σ_{i,1} > δ (`margin`, default config.margin).
+        Keeps the native c_{i,1} unless max_{j>1} σ_{i,j} - σ_{i,1} > δ (`repair_margin`, default the config's).
         prefix_ids (b, n), for tests and analysis: feed these tokens to the prefix state instead of the choices.
         """
-        margin = self.config.margin if margin is None else margin
+        if repair_margin is None:
+            repair_margin = self.config.repair_margin
         pool_ids = block.pool_ids
         g, _ = self.read(block.hidden, pool_ids, block.pool_logprobs)  # (b, n, k, d)
         sel = self.selector
@@ -281,16 +342,15 @@ class DRelay(EmbeddingBoundFolder, nn.Module):
         anchor = sel.prefix_inputs(self.embed(block.anchor_ids[:, None]))  # (b, 1, d)
         if sel.kind == "gru" and prefix_ids is None:  # the whole loop in one op (one launch on CUDA)
             cand_hidden, cand_factor, logprobs = terms
-            select = kernel("relay_select", cand_hidden)
-            choice, sigma = select(sel.gru_input_gates(anchor[:, 0]), sel.gru_input_gates(chosen_inputs),
+            choice, sigma = self.ops.relay_select(sel.gru_input_gates(anchor[:, 0]), sel.gru_input_gates(chosen_inputs),
                                    cand_hidden, sel.gru_weights(), cand_factor,
-                                   logprobs if sel.residual else None, margin)
+                                   logprobs if sel.residual else None, repair_margin)
         else:
-            choice, sigma = self._select_loop(g, terms, chosen_inputs, anchor, pool_ids, prefix_ids, margin)
+            choice, sigma = self._select_loop(g, terms, chosen_inputs, anchor, pool_ids, prefix_ids, repair_margin)
         tokens = pool_ids.gather(-1, choice[..., None]).squeeze(-1)  # (b, n)
         return (tokens, sigma) if return_scores else tokens
 
-    def _select_loop(self, g, terms, chosen_inputs, x, pool_ids, prefix_ids, margin):
+    def _select_loop(self, g, terms, chosen_inputs, x, pool_ids, prefix_ids, repair_margin):
         """`select` step by step through the prefix model's own forward (the attention prefix model, or a
         prefix fed `prefix_ids`): choice (b, n), σ (b, n, k)."""
         sel = self.selector
@@ -299,7 +359,7 @@ class DRelay(EmbeddingBoundFolder, nn.Module):
         for i in range(n):
             r, state = sel.prefix_states(x, state)  # (b, 1, d)
             sigma = sel.score_terms(tuple(t[:, i: i + 1] if t is not None else None for t in terms), r)[:, 0]  # (b, k)
-            j = keep_or_replace(sigma, margin)
+            j = keep_or_replace(sigma, repair_margin)
             choices.append(j)
             scores.append(sigma)
             if i < n - 1:
@@ -308,9 +368,3 @@ class DRelay(EmbeddingBoundFolder, nn.Module):
                 else:
                     x = self._inputs(g[:, i: i + 1], pool_ids[:, i: i + 1], prefix_ids[:, i: i + 1])
         return torch.stack(choices, dim=1), torch.stack(scores, dim=1)
-
-    def forward(self, block: DraftBlock) -> torch.Tensor:
-        """The engine's repair hook: `speculative_generate(..., repair=relay)`."""
-        return self.select(block)
-
-    repair = select

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
-from drelay.decoding.cache import growable_cache
+from drelay.models.cache import growable_cache
 
 DTYPES = {
     "float32": torch.float32,

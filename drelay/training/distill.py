@@ -13,30 +13,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
+from drelay.data.records import MANIFEST, SETTINGS, Sequence, save_shard, summarize
 from drelay.decoding.verify import sample_tokens
 from drelay.models.target import Target, resolve_dtype
-
-MANIFEST = "manifest.json"  # written last: its presence means the distillation finished
-SETTINGS = "settings.json"  # what the shards were made with; other settings start over
-
-
-@dataclass
-class Sequence:
-    tokens: torch.Tensor  # (T,) int64: prompt + response
-    prompt_len: int  # P: response tokens are tokens[P:]
-    features: torch.Tensor  # (T, m*H) raw context-layer outputs; row T-1 is zeros
-
-    @property
-    def response_len(self) -> int:
-        return self.tokens.shape[0] - self.prompt_len
 
 
 @torch.inference_mode()
@@ -85,39 +69,6 @@ def generate_batch(target: Target, prompts: list[list[int]], max_new_tokens: int
         f = torch.cat([f, torch.zeros_like(f[:1])])  # row T-1: never read
         sequences.append(Sequence(torch.tensor(p + tokens[row]), len(p), f))
     return sequences
-
-
-def save_shard(sequences: list[Sequence], path: Path, feature_dtype: torch.dtype) -> None:
-    lengths = torch.tensor([s.tokens.shape[0] for s in sequences])
-    tensors = {
-        "tokens": torch.cat([s.tokens for s in sequences]).to(torch.int32),
-        "features": torch.cat([s.features for s in sequences]).to(feature_dtype).contiguous(),
-        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
-        "prompt_lens": torch.tensor([s.prompt_len for s in sequences]),
-    }
-    tmp = path.with_name(path.name + ".partial")
-    save_file(tensors, tmp)
-    tmp.rename(path)
-
-
-def load_shard(path: Path) -> list[Sequence]:
-    try:
-        t = load_file(path)
-    except Exception as err:  # safetensors raises several types on truncated files
-        raise ValueError(f"corrupt distilled shard {path}: {err}; delete it and rerun distill") from err
-    offsets = t["offsets"].tolist()
-    return [Sequence(t["tokens"][s:e].long(), int(p), t["features"][s:e])
-            for s, e, p in zip(offsets[:-1], offsets[1:], t["prompt_lens"].tolist())]
-
-
-def load_distilled(out_dir: str | Path) -> list[Sequence]:
-    """Every sequence of a finished distillation, in shard order."""
-    out_dir = Path(out_dir)
-    manifest = out_dir / MANIFEST
-    if not manifest.is_file():
-        raise FileNotFoundError(f"no finished distillation in {out_dir} ({MANIFEST} missing): run the distill stage")
-    info = json.loads(manifest.read_text())
-    return [seq for name in info["shards"] for seq in load_shard(out_dir / name)]
 
 
 def distill(target: Target, prompts: list[list[int]], out_dir: str | Path, *, max_new_tokens: int,
@@ -178,20 +129,6 @@ def distill(target: Target, prompts: list[list[int]], out_dir: str | Path, *, ma
                     "generation_tokens_per_s": gen_tokens / gen_seconds if gen_seconds else 0.0})
     (out_dir / MANIFEST).write_text(json.dumps({"shards": shards, **summary}, indent=2))
     return summary
-
-
-def summarize(out_dir: Path, shards: list[str]) -> dict:
-    """Counts from the shards' small index tensors (the features are not read)."""
-    n_seq = n_resp = n_total = 0
-    for name in shards:
-        with safe_open(str(out_dir / name), framework="pt") as f:
-            offsets, prompt_lens = f.get_tensor("offsets"), f.get_tensor("prompt_lens")
-        lengths = offsets[1:] - offsets[:-1]
-        n_seq += len(lengths)
-        n_total += int(lengths.sum())
-        n_resp += int((lengths - prompt_lens).sum())
-    return {"sequences": n_seq, "response_tokens": n_resp, "total_tokens": n_total,
-            "mean_response_tokens": n_resp / n_seq if n_seq else 0.0}
 
 
 def encode_prompts(target: Target, records: list[dict], max_prompt_tokens: int) -> tuple[list[list[int]], int]:

@@ -1,68 +1,111 @@
-"""Drafter training loop: DFlash objective, AdamW with warmup + cosine decay, gradient clipping,
-held-out evaluation with early stopping, and resumable checkpoints.
+"""The one training loop: the DFlash drafter (train_dflash) and every joint method (train@<method>) are
+the same loop with a repair method (drelay/models/repair.py) and its settings; `dflash` is the method
+whose joint loss is the backbone's DFlash CE alone.
 
-The loop is plain: sample a batch of blocks, forward, loss, step. Every `eval_every` steps it
-scores held-out sequences (loss, per-position top-1 / top-k hit rates, replay τ and oracle τ) and
-keeps the best drafter (lowest held-out loss), copied to `out_dir` at the end. A checkpoint (`last.pt`: weights,
-optimizer, step, RNG, history) is written atomically every `checkpoint_every` steps; a killed run
-started again with the same settings continues from it.
+    for step in 1..steps:  batch of random anchors -> hidden -> method.joint_loss -> AdamW step
+    every eval_every    :  the evaluation hook (held-out loss terms, hit rates, replay statistics of the
+                           method next to the native and oracle τ); early stopping on held-out loss
+    at the last step    :  method.tune (DRelay's δ by held-out replay τ), then the final evaluation
+    every checkpoint_every: last.pt (weights, optimizer, RNG, history), written atomically
+
+A killed run started again with the same settings, data and starting drafter resumes from last.pt.
+Fairness (DESIGN §1.7): every joint method starts from the same drafter, draws the same batches (same
+seed -> same anchors) and runs the same schedule for the same number of steps.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from drelay.config import TrainConfig
-from drelay.decoding.replay import ORACLE, replay
+from drelay.config import JointConfig, TrainConfig
+from drelay.data.records import BlockBatch, IGNORE, Sequence, make_batch
+from drelay.decoding.replay import ReplayStats, replay
 from drelay.models.drafter import BlockDrafter
-from drelay.training.data import BlockBatch, make_batch, usable
-from drelay.training.distill import Sequence
-from drelay.training.losses import dflash_ce, hit_rates
+from drelay.models.methods import DRAFTER_FOLDER, create_method, save_method
+from drelay.models.repair import Native, Oracle, Repair, RepairMethod
 
 CHECKPOINT = "last.pt"
+VAL_BATCH = 8  # held-out sequences per evaluation batch
 Logger = Callable[[dict, int], None]
+Progress = Callable[[int, dict], None]
+
+
+@dataclass(frozen=True)
+class LoopSettings:
+    """Everything the loop reads; `for_dflash` / `for_joint` map the params sections onto it."""
+
+    steps: int  # optimizer steps (an upper bound when patience > 0)
+    lr: float  # peak AdamW learning rate of the backbone
+    warmup_steps: int  # linear warmup, then cosine decay to lr * min_lr_ratio at `steps`
+    min_lr_ratio: float
+    weight_decay: float
+    grad_clip: float  # max global grad norm
+    blocks_per_step: int  # training blocks (random anchors) per step
+    anchors_per_sequence: int  # blocks drawn from one sequence per visit
+    gamma: float  # position decay of the CE weight
+    eval_every: int
+    checkpoint_every: int
+    replay_sequences: int  # held-out sequences replayed at each evaluation (and by `tune`)
+    head_lr_scale: float = 1.0  # the method's own weights train at lr x this
+    patience: int = 0  # evaluations without held-out loss improvement before stopping (0: never)
+    keep_best: bool = False  # save the best held-out-loss drafter (train_dflash) instead of the last
+    eval_at_start: bool = False  # evaluate before the first step (the joint methods' shared start)
+    log_every: int = 10  # steps between training-loss logs (and step 1, and the last step)
+
+    @classmethod
+    def for_dflash(cls, cfg: TrainConfig) -> "LoopSettings":
+        return cls(cfg.max_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio, cfg.weight_decay, cfg.grad_clip,
+                   cfg.blocks_per_step, cfg.anchors_per_sequence, cfg.gamma, cfg.eval_every, cfg.checkpoint_every,
+                   replay_sequences=16, patience=cfg.patience, keep_best=True)
+
+    @classmethod
+    def for_joint(cls, joint: JointConfig, train: TrainConfig) -> "LoopSettings":
+        """The joint schedule: joint.common's steps and learning rates, train's batch shape and CE decay."""
+        c = joint.common
+        return cls(c.extra_steps, c.lr, c.warmup_steps, train.min_lr_ratio, train.weight_decay, train.grad_clip,
+                   train.blocks_per_step, train.anchors_per_sequence, train.gamma, c.eval_every, c.checkpoint_every,
+                   c.replay_sequences, head_lr_scale=c.head_lr_scale, eval_at_start=True)
 
 
 @dataclass
-class TrainResult:
-    steps: int
-    best_step: int
+class FitResult:
+    method: str
+    steps: int  # optimizer steps done
+    best_step: int  # the evaluation with the lowest held-out loss
     best_val_loss: float
     stopped_early: bool
-    resumed_from: int
-    blocks_per_s: float
-    history: list[dict] = field(default_factory=list)
+    resumed_from: int  # step of the checkpoint this run continued from (0: a fresh run)
+    blocks_per_s: float  # training throughput of this process (0 when nothing was left to train)
+    tuned: dict[float, float]  # what `method.tune` tried ({δ: held-out replay τ} for drelay)
+    history: list[dict] = field(default_factory=list)  # every evaluation, in order
+
+    @property
+    def final(self) -> dict:
+        return self.history[-1]
+
+    @property
+    def best(self) -> dict:
+        return next(h for h in reversed(self.history) if h["step"] == self.best_step)
 
 
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warmup to cfg.lr, then cosine decay to cfg.lr * min_lr_ratio at max_steps."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def split_sequences(sequences: list[Sequence], val_fraction: float, seed: int):
-    """Deterministic train / held-out split by sequence."""
-    seqs = usable(sequences)
-    order = list(range(len(seqs)))
-    random.Random(seed).shuffle(order)
-    n_val = max(1, round(len(seqs) * val_fraction))
-    val = [seqs[i] for i in sorted(order[:n_val])]
-    train = [seqs[i] for i in sorted(order[n_val:])]
-    if not train:
-        raise ValueError(f"only {len(seqs)} usable distilled sequences: nothing left to train on")
-    return train, val
+def lr_at(step: int, s: LoopSettings) -> float:
+    """Linear warmup to s.lr, then cosine decay to s.lr * min_lr_ratio at s.steps."""
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    progress = min(1.0, (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps))
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 def block_hidden(drafter: BlockDrafter, batch: BlockBatch) -> torch.Tensor:
@@ -74,52 +117,87 @@ def block_hidden(drafter: BlockDrafter, batch: BlockBatch) -> torch.Tensor:
         return drafter.forward_anchored(ctx_kv, batch.anchors, batch.anchor_ids, batch.labels.shape[-1] + 1)
 
 
-def block_forward(drafter: BlockDrafter, batch: BlockBatch):
-    """Logits (b, nA, B-1, V) of every block in the batch, bf16 autocast on the matmuls."""
-    with torch.autocast(batch.features.device.type, dtype=torch.bfloat16):
-        return drafter.logits(block_hidden(drafter, batch))
-
-
-def sample_batch(train: list[Sequence], cfg: TrainConfig, block_size: int, rng: random.Random) -> BlockBatch:
+def sample_batch(train: list[Sequence], s: LoopSettings, block_size: int, rng: random.Random) -> BlockBatch:
     """One step's blocks: blocks_per_step // anchors_per_sequence sequences (distinct when there are
     enough), anchors_per_sequence random anchors each. Same rng state -> same batch."""
-    n = max(1, cfg.blocks_per_step // cfg.anchors_per_sequence)
+    n = max(1, s.blocks_per_step // s.anchors_per_sequence)
     seqs = rng.sample(train, n) if len(train) >= n else [rng.choice(train) for _ in range(n)]
-    return make_batch(seqs, cfg.anchors_per_sequence, block_size, rng)
+    return make_batch(seqs, s.anchors_per_sequence, block_size, rng)
 
 
 @torch.no_grad()
-def evaluate(drafter: BlockDrafter, val: list[Sequence], cfg: TrainConfig, pool_size: int, seed: int,
-             replay_sequences: int = 16) -> dict[str, float]:
-    """Held-out loss and hit rates on fixed anchors, plus replay τ and oracle τ."""
-    drafter.eval()
-    rng = random.Random(seed)
-    B = drafter.config.block_size
-    losses, top1, topk, count = [], 0.0, 0.0, 0.0
-    for start in range(0, len(val), 8):
-        batch = make_batch(val[start: start + 8], cfg.anchors_per_sequence, B, rng).to(drafter.fc.weight.device)
-        logits = block_forward(drafter, batch)
-        loss, _ = dflash_ce(logits, batch.labels, cfg.gamma)
-        rates = hit_rates(logits, batch.labels, pool_size)
-        losses.append(float(loss))
-        top1 = top1 + rates["top1"] * rates["count"]
-        topk = topk + rates["topk"] * rates["count"]
-        count = count + rates["count"]
-    out = {"val_loss": sum(losses) / len(losses)}
-    count = count.clamp(min=1)
-    for i, (a, k) in enumerate(zip((top1 / count).tolist(), (topk / count).tolist())):
-        out[f"val_top1_pos{i + 1}"], out[f"val_topk_pos{i + 1}"] = a, k
+def hit_rates(logits: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Per-position top-1 accuracy and top-k hit rate (the label inside the pool): (B-1,) each."""
+    valid = (labels != IGNORE).float()
+    topk = logits.topk(k, dim=-1).indices  # (..., B-1, k)
+    top1 = (topk[..., 0] == labels).float() * valid
+    in_pool = (topk == labels[..., None]).any(-1).float() * valid
+    dims = tuple(range(labels.dim() - 1))
+    count = valid.sum(dims).clamp(min=1)
+    return {"top1": top1.sum(dims) / count, "topk": in_pool.sum(dims) / count, "count": valid.sum(dims)}
+
+
+@contextmanager
+def eval_mode(*modules: torch.nn.Module):
+    """Modules in eval mode inside the block, each back to its own mode after it."""
+    modes = [m.training for m in modules]
+    for m in modules:
+        m.eval()
+    try:
+        yield
+    finally:
+        for m, mode in zip(modules, modes):
+            m.train(mode)
+
+
+def replay_bf16(drafter: BlockDrafter, sequences: list[Sequence], pool_size: int,
+                repair: Repair | None = None) -> ReplayStats:
+    """`replay` under the same bf16 autocast as training."""
     with torch.autocast(drafter.fc.weight.device.type, dtype=torch.bfloat16):
-        out["replay_tau"] = replay(drafter, val[:replay_sequences], pool_size=pool_size).tau
-        out["oracle_tau"] = replay(drafter, val[:replay_sequences], pool_size=pool_size, repair=ORACLE).tau
-    drafter.train()
+        return replay(drafter, sequences, pool_size=pool_size, repair=repair)
+
+
+@torch.no_grad()
+def evaluate(drafter: BlockDrafter, method: RepairMethod, val: list[Sequence], s: LoopSettings, pool_size: int,
+             seed: int) -> dict[str, float]:
+    """The evaluation hook: held-out loss terms (val_*) and per-position top-1 / top-k hit rates of the
+    backbone on fixed anchors; replay statistics of the method (replay_tau, replay_pool_hit,
+    replay_replace_rate, ..., per position), the native and oracle τ of the same backbone, and the
+    method's own numbers (δ)."""
+    rng, sums, batches = random.Random(seed), {}, 0
+    top1 = topk = count = 0.0
+    B, device = drafter.config.block_size, drafter.fc.weight.device
+    with eval_mode(drafter, method):
+        for start in range(0, len(val), VAL_BATCH):
+            batch = make_batch(val[start: start + VAL_BATCH], s.anchors_per_sequence, B, rng).to(device)
+            hidden = block_hidden(drafter, batch)
+            _, terms = method.joint_loss(drafter, hidden, batch.labels, batch.anchor_ids, gamma=s.gamma, progress=1.0)
+            for name, value in terms.items():
+                sums[name] = sums.get(name, 0.0) + float(value)
+            batches += 1
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                rates = hit_rates(drafter.logits(hidden), batch.labels, pool_size)
+            top1, topk = top1 + rates["top1"] * rates["count"], topk + rates["topk"] * rates["count"]
+            count = count + rates["count"]
+        out = {f"val_{name}": total / batches for name, total in sums.items()}
+        count = count.clamp(min=1)
+        for i, (a, k) in enumerate(zip((top1 / count).tolist(), (topk / count).tolist())):
+            out[f"val_top1_pos{i + 1}"], out[f"val_topk_pos{i + 1}"] = a, k
+        seqs = val[: s.replay_sequences]
+        out.update(replay_bf16(drafter, seqs, pool_size, method if method.repairs else None).summary("replay_"))
+        out["native_tau"] = replay_bf16(drafter, seqs, pool_size).tau if method.repairs else out["replay_tau"]
+        out["oracle_tau"] = replay_bf16(drafter, seqs, pool_size, Oracle()).tau
+        out.update(method.eval_metrics())
     return out
 
 
-def config_hash(cfg: TrainConfig, drafter: BlockDrafter, n_train: int, seed: int) -> str:
-    """What a checkpoint must match to be resumed: settings, drafter shape, data size, seed."""
-    blob = json.dumps([asdict(cfg), asdict(drafter.config), n_train, seed], sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+def weights_digest(module: torch.nn.Module) -> str:
+    """sha256 of a module's weights: a checkpoint never resumes on top of a different starting drafter."""
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def save_checkpoint(path: Path, state: dict) -> None:
@@ -143,8 +221,7 @@ def load_checkpoint(path: Path, state_hash: str) -> dict | None:
 
 def optimizer_step(optimizer: torch.optim.Optimizer, params, loss: torch.Tensor, lr: float,
                    grad_clip: float) -> torch.Tensor:
-    """One AdamW update at learning rate `lr` (x a group's "lr_scale", if it has one) with global
-    grad-norm clipping; returns the norm."""
+    """One AdamW update at learning rate `lr` (x a group's "lr_scale") with global grad-norm clipping."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_scale", 1.0)
     optimizer.zero_grad(set_to_none=True)
@@ -154,72 +231,128 @@ def optimizer_step(optimizer: torch.optim.Optimizer, params, loss: torch.Tensor,
     return grad_norm
 
 
-def train_drafter(drafter: BlockDrafter, train: list[Sequence], val: list[Sequence], cfg: TrainConfig, *,
-                  pool_size: int = 8, seed: int = 0, log: Logger | None = None,
-                  progress: Callable[[int, dict], None] | None = None) -> TrainResult:
-    """Train `drafter` (bound to its target) in place; the best weights are saved to cfg.out_dir."""
+def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val: list[Sequence], s: LoopSettings, *,
+        drafter_dir: str | Path, method_dir: str | Path | None, checkpoint_dir: str | Path, pool_size: int,
+        seed: int, settings_key=None, log: Logger | None = None, progress: Progress | None = None) -> FitResult:
+    """Train `drafter` and `method` together in place (see the module docstring). Writes the drafter to
+    `drafter_dir` and the method's weights (if it has any) to its folder under `method_dir`.
+    settings_key: the method's own settings, part of what a checkpoint must match to be resumed."""
     log = log or (lambda metrics, step: None)
-    out_dir, ckpt_dir = Path(cfg.out_dir), Path(cfg.checkpoint_dir)
+    drafter_dir, ckpt_dir = Path(drafter_dir), Path(checkpoint_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    rng = random.Random(seed)
-    state_hash = config_hash(cfg, drafter, len(train), seed)
-    step, best_val, best_step, bad_evals, history, resumed_from = 0, float("inf"), 0, 0, [], 0
+    blob = json.dumps([method.name, settings_key, dataclasses.asdict(s), dataclasses.asdict(drafter.config),
+                       len(train), pool_size, seed, weights_digest(drafter)], sort_keys=True, default=str)
+    state_hash = hashlib.sha256(blob.encode()).hexdigest()[:16]
+    modules = [drafter, method]
+    groups = [{"params": [p for p in m.parameters() if p.requires_grad],
+               "lr_scale": 1.0 if m is drafter else s.head_lr_scale} for m in modules]
+    groups = [g for g in groups if g["params"]]
+    params = [p for group in groups for p in group["params"]]
+    optimizer = torch.optim.AdamW(groups, lr=s.lr, weight_decay=s.weight_decay, betas=(0.9, 0.95))
+    rng = random.Random(seed)  # the batches: same seed, same anchors for every method
+    step, history, tuned, resumed_from = 0, [], {}, 0
+    best_val, best_step, bad_evals = float("inf"), 0, 0
 
     ckpt_path = ckpt_dir / CHECKPOINT
     ckpt = load_checkpoint(ckpt_path, state_hash)
     if ckpt is not None:
         drafter.load_state_dict(ckpt["drafter"])
+        method.load_state_dict(ckpt["method"])
+        method.load_method_state(ckpt["method_state"])
         optimizer.load_state_dict(ckpt["optimizer"])
         rng.setstate(ckpt["rng"])
         torch.set_rng_state(ckpt["torch_rng"])
-        step, best_val, best_step = ckpt["step"], ckpt["best_val"], ckpt["best_step"]
-        bad_evals, history, resumed_from = ckpt["bad_evals"], ckpt["history"], ckpt["step"]
+        step, history, tuned, resumed_from = ckpt["step"], ckpt["history"], ckpt["tuned"], ckpt["step"]
+        best_val, best_step, bad_evals = ckpt["best_val"], ckpt["best_step"], ckpt["bad_evals"]
 
     def checkpoint() -> None:
         save_checkpoint(ckpt_path, {
-            "hash": state_hash, "drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(),
-            "rng": rng.getstate(), "torch_rng": torch.get_rng_state(), "step": step, "best_val": best_val,
-            "best_step": best_step, "bad_evals": bad_evals, "history": history})
+            "hash": state_hash, "drafter": drafter.state_dict(), "method": method.state_dict(),
+            "method_state": method.method_state(), "optimizer": optimizer.state_dict(), "rng": rng.getstate(),
+            "torch_rng": torch.get_rng_state(), "step": step, "history": history, "tuned": tuned,
+            "best_val": best_val, "best_step": best_step, "bad_evals": bad_evals})
 
+    def evaluation() -> dict:
+        metrics = evaluate(drafter, method, val, s, pool_size, seed)
+        history.append({"step": step, **metrics})
+        return metrics
+
+    if step == 0 and s.eval_at_start:
+        log(evaluation(), step)  # the shared starting point: every method starts as the native top-1
     device = drafter.fc.weight.device
-    drafter.train()
+    for m in modules:
+        m.train()
     stopped_early, blocks_done, train_seconds = False, 0, 0.0
-    while step < cfg.max_steps:
+    while step < s.steps:
         t_step = time.perf_counter()
-        batch = sample_batch(train, cfg, drafter.config.block_size, rng).to(device)
-        logits = block_forward(drafter, batch)
-        loss, _ = dflash_ce(logits, batch.labels, cfg.gamma)
-        grad_norm = optimizer_step(optimizer, params, loss, lr_at(step, cfg), cfg.grad_clip)
+        batch = sample_batch(train, s, drafter.config.block_size, rng).to(device)
+        hidden = block_hidden(drafter, batch)
+        loss, terms = method.joint_loss(drafter, hidden, batch.labels, batch.anchor_ids, gamma=s.gamma,
+                                        progress=step / s.steps)
+        grad_norm = optimizer_step(optimizer, params, loss, lr_at(step, s), s.grad_clip)
         step += 1
         blocks_done += batch.anchors.numel()
         train_seconds += time.perf_counter() - t_step
-        train_metrics = {"train_loss": loss.item(), "grad_norm": grad_norm.item(), "lr": lr_at(step - 1, cfg)}
-        if step % 10 == 0 or step == 1:
-            log(train_metrics, step)
+        metrics = {**{f"train_{name}": float(value) for name, value in terms.items()},
+                   "grad_norm": float(grad_norm), "lr": lr_at(step - 1, s)}
+        last = step == s.steps
+        if step % s.log_every == 0 or step == 1 or last:
+            log(metrics, step)
         if progress:
-            progress(step, train_metrics)
+            progress(step, metrics)
 
-        last = step == cfg.max_steps
-        if step % cfg.eval_every == 0 or last:
-            metrics = evaluate(drafter, val, cfg, pool_size, seed)
+        if last:  # tuning first, so the final evaluation uses the settings that are saved
+            with eval_mode(drafter, method):
+                tuned = method.tune(lambda hook: replay_bf16(drafter, val[: s.replay_sequences], pool_size, hook).tau)
+            if tuned:
+                log({f"tune_tau_{m:g}".replace("+", ""): tau for m, tau in tuned.items()}, step)  # MLflow: no "+"
+        if step % s.eval_every == 0 or last:
+            metrics = evaluation()
             metrics["blocks_per_s"] = blocks_done / train_seconds if train_seconds else 0.0
             metrics["train_tokens_per_s"] = metrics["blocks_per_s"] * (drafter.config.block_size - 1)
-            history.append({"step": step, **metrics})
             log(metrics, step)
             if metrics["val_loss"] < best_val:
                 best_val, best_step, bad_evals = metrics["val_loss"], step, 0
-                drafter.save(ckpt_dir / "best")
+                if s.keep_best:
+                    drafter.save(ckpt_dir / "best")
             else:
                 bad_evals += 1
-            if cfg.patience and bad_evals >= cfg.patience:
+            if s.patience and bad_evals >= s.patience:
                 stopped_early = True
-        if step % cfg.checkpoint_every == 0 or last or stopped_early:
+        if step % s.checkpoint_every == 0 or last or stopped_early:
             checkpoint()
         if stopped_early:
             break
-    shutil.rmtree(out_dir, ignore_errors=True)  # the best weights, wherever training stopped
-    shutil.copytree(ckpt_dir / "best", out_dir)
-    return TrainResult(step, best_step, best_val, stopped_early, resumed_from,
-                       blocks_done / train_seconds if train_seconds else 0.0, history)
+
+    for folder in (drafter_dir, method_dir):
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+    if s.keep_best:  # the best weights, wherever training stopped
+        shutil.copytree(ckpt_dir / "best", drafter_dir)
+    else:
+        drafter.save(drafter_dir)
+    if method_dir is not None:
+        save_method(method, method_dir)
+    return FitResult(method.name, step, best_step, best_val, stopped_early, resumed_from,
+                     blocks_done / train_seconds if train_seconds else 0.0, tuned, history)
+
+
+def train_dflash(drafter: BlockDrafter, train: list[Sequence], val: list[Sequence], cfg: TrainConfig, *,
+                 pool_size: int, seed: int, log: Logger | None = None, progress: Progress | None = None) -> FitResult:
+    """The DFlash drafter: the native method under the train section (early stopping, best weights kept)
+    into cfg.out_dir."""
+    return fit(drafter, Native(), train, val, LoopSettings.for_dflash(cfg), drafter_dir=cfg.out_dir, method_dir=None,
+               checkpoint_dir=cfg.checkpoint_dir, pool_size=pool_size, seed=seed, log=log, progress=progress)
+
+
+def train_method(name: str, drafter: BlockDrafter, train: list[Sequence], val: list[Sequence], joint: JointConfig,
+                 train_cfg: TrainConfig, *, pool_size: int, seed: int, log: Logger | None = None,
+                 progress: Progress | None = None) -> FitResult:
+    """Joint method `name`: the trained `drafter` continued for joint.common.extra_steps with a fresh method
+    (its weights fixed by `seed`) into <joint.common.out_dir>/<name>/."""
+    settings = joint.settings(name)
+    method = create_method(name, drafter, settings, pool_size, seed)
+    out_dir = Path(joint.common.out_dir) / name
+    return fit(drafter, method, train, val, LoopSettings.for_joint(joint, train_cfg),
+               drafter_dir=out_dir / DRAFTER_FOLDER, method_dir=out_dir, checkpoint_dir=Path(joint.common.checkpoint_dir) / name,
+               pool_size=pool_size, seed=seed, settings_key=dataclasses.asdict(settings), log=log, progress=progress)

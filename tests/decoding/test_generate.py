@@ -6,23 +6,26 @@ import pytest
 import torch
 
 import drelay.decoding.generate as generate_mod
-from drelay.decoding.generate import (ContextTooLongError, DraftBlock, SpeculativeDecoder, ar_generate,
-                                      speculative_generate)
+from drelay.decoding.generate import ContextTooLongError, SpeculativeDecoder, ar_generate, speculative_generate
 from drelay.models.drafter import BlockDrafter
+from drelay.models.repair import DraftBlock, RepairMethod
 from tests.conftest import make_tiny_target
 
 PROMPTS = [[1, 5, 7, 9, 3], [1, 40, 41, 42], [1, 17], [1, 88, 3, 3, 3, 60, 22, 11, 71]]
 
 
-class GreedyStandIn:
-    """A repair hook that proposes the target's own greedy continuation (known in advance), with
+class GreedyStandIn(RepairMethod):
+    """A repair method that proposes the target's own greedy continuation (known in advance), with
     one position corrupted per block at a random place, so every acceptance length occurs."""
 
+    name = "greedy-stand-in"
+
     def __init__(self, prompt_len: int, continuation: list[int], vocab_size: int, corrupt: bool, seed: int = 0):
+        super().__init__()
         self.prompt_len, self.continuation, self.vocab_size = prompt_len, continuation, vocab_size
         self.corrupt, self.rng = corrupt, random.Random(seed)
 
-    def __call__(self, block: DraftBlock) -> torch.Tensor:
+    def select(self, block: DraftBlock) -> torch.Tensor:
         n = block.pool_ids.shape[1]
         first = int(block.anchor_pos[0]) + 1 - self.prompt_len  # index of draft 1 in the continuation
         tokens = [self.continuation[j] if j < len(self.continuation) else 0 for j in range(first, first + n)]
@@ -49,14 +52,14 @@ def test_perfect_and_corrupted_drafts_are_lossless_at_every_accept_length(tiny_t
     for i, prompt in enumerate(PROMPTS):
         expected = ar_generate(tiny_target, prompt, 64).tokens
         perfect = GreedyStandIn(len(prompt), expected, 96, corrupt=False)
-        got = speculative_generate(tiny_target, drafter, prompt, 64, repair=perfect)
+        got = speculative_generate(tiny_target, drafter, prompt, 64, method=perfect)
         assert got.tokens == expected
         # every block fully accepted (+ bonus) except possibly the last one, cut at max_new_tokens
         assert all(a == block_size - 1 for a in got.stats.accept_lengths)
         assert got.stats.tau == pytest.approx(block_size)
 
         corrupted = GreedyStandIn(len(prompt), expected, 96, corrupt=True, seed=i)
-        got = speculative_generate(tiny_target, drafter, prompt, 64, repair=corrupted)
+        got = speculative_generate(tiny_target, drafter, prompt, 64, method=corrupted)
         assert got.tokens == expected
         seen = set(got.stats.accept_lengths)
         if block_size <= 4:  # enough steps to see the cache cropped by every amount
@@ -73,7 +76,7 @@ def test_stop_token_inside_a_block(tiny_target):
     expected = ar_generate(tiny_target, prompt, 64, stop_token_ids=[stop]).tokens
     assert expected == full[: stop_at + 1]
     got = speculative_generate(tiny_target, drafter, prompt, 64, stop_token_ids=[stop],
-                               repair=GreedyStandIn(len(prompt), full, 96, corrupt=False))
+                               method=GreedyStandIn(len(prompt), full, 96, corrupt=False))
     assert got.tokens == expected
 
 
@@ -95,6 +98,14 @@ def test_accepted_tokens_are_the_argmax_of_the_verification_logits_in_bf16():
         assert record.next_token == argmax[a]
         lengths.append(a)
     assert max(lengths) > 0  # the check above ran on real acceptances
+
+
+def test_bad_decoder_settings_are_clear_errors(tiny_target):
+    drafter = BlockDrafter.for_target(tiny_target, block_size=4)
+    for kwargs, message in ((dict(block_size=5), r"block_size must be in \[2, 4\]"), (dict(block_size=1), "block_size"),
+                            (dict(pool_size=0), "pool_size must be >= 1"), (dict(temperature=-0.5), "temperature")):
+        with pytest.raises(ValueError, match=message):
+            SpeculativeDecoder(tiny_target, drafter, **kwargs)
 
 
 def test_context_too_long_is_a_clear_error():
@@ -140,7 +151,7 @@ def sample_runs(target, drafter, prompt, repair, seed=0):
     gen = torch.Generator().manual_seed(seed)
     second, third = [], []
     for _ in range(RUNS):
-        out = speculative_generate(target, drafter, prompt, 3, repair=repair, block_size=3,
+        out = speculative_generate(target, drafter, prompt, 3, method=repair, block_size=3,
                                    temperature=TEMPERATURE, generator=gen)
         second.append(out.tokens[1])
         third.append(out.tokens[2])

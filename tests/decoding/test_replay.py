@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from drelay.decoding.generate import speculative_generate
-from drelay.decoding.replay import ORACLE, replay
+from drelay.decoding.replay import replay
 from drelay.models.drafter import BlockDrafter
+from drelay.models.repair import Oracle
 from drelay.training.distill import generate_batch
 from tests.conftest import make_tiny_target
 
@@ -36,7 +37,7 @@ def test_replay_reproduces_live_acceptance_lengths():
 def test_oracle_bounds_native_and_stats_are_consistent():
     _, drafter, seqs = _setup()
     native = replay(drafter, seqs, pool_size=4)
-    oracle = replay(drafter, seqs, pool_size=4, repair=ORACLE)
+    oracle = replay(drafter, seqs, pool_size=4, repair=Oracle())
     assert oracle.tau >= native.tau
     assert native.replaced == 0 and native.harmed == 0
     assert oracle.harmed == 0 and oracle.replaced == oracle.replaced_right  # the oracle is never wrong

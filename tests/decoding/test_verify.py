@@ -1,7 +1,8 @@
 import pytest
 import torch
 
-from drelay.decoding.verify import greedy_accept, rejection_accept, target_probs
+from drelay.kernels.reference import greedy_accept, target_probs
+from drelay.decoding.verify import rejection_accept
 
 
 def test_greedy_accept_counts_matching_prefix_and_takes_the_next_argmax():

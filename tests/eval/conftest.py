@@ -15,3 +15,15 @@ def chat_target_and_drafter(tmp_path_factory):
     torch.manual_seed(0)
     drafter = BlockDrafter.for_target(target, block_size=4).float()
     return target, drafter
+
+
+@pytest.fixture(scope="session")
+def prepared_benchmarks(mirror, tmp_path_factory):
+    """<data.out_dir>/benchmarks as prepare_data writes it (the evaluation reads these, not the mirror)."""
+    from drelay.data.benchmarks import BENCHMARK_NAMES, load_benchmark
+    from drelay.io import write_jsonl
+
+    out = tmp_path_factory.mktemp("prepared") / "benchmarks"
+    for name in BENCHMARK_NAMES:
+        write_jsonl(load_benchmark(name, mirror), out / f"{name}.jsonl")
+    return out

@@ -4,11 +4,13 @@ decoding's on the same prompts; live comparison metrics."""
 
 import pytest
 
+from drelay.data.benchmarks import BenchmarkSample, conversation
 from drelay.decoding.generate import speculative_generate
-from drelay.decoding.replay import ORACLE
-from drelay.eval.benchmarks import BenchmarkSample, conversation
-from drelay.eval.live import LiveMethod, live_compare
-from drelay.eval.replay_eval import ReplayMethod, continuations, replay_methods
+from drelay.eval.live import live_compare
+from drelay.eval.replay_eval import continuations, replay_methods
+from drelay.models.methods import Speculator
+from drelay.models.repair import Native, Oracle
+from tests.methods import Hook
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 SAMPLES = [BenchmarkSample("mt/1", "mt_bench", ("Name a color.", "Now another one."), None),
@@ -51,21 +53,22 @@ def test_replayed_tau_equals_live_tau_on_the_same_prompts(setup, tmp_path):
         draft[:, 1] = block.pool_ids[:, 1, 1]
         return draft
 
-    methods = {"native": ReplayMethod(drafter), "swap": ReplayMethod(drafter, second_at_two),
-               "oracle": ReplayMethod(drafter, ORACLE)}
+    methods = {"native": Speculator(drafter, Native()), "swap": Speculator(drafter, Hook(second_at_two)),
+               "oracle": Speculator(drafter, Oracle())}
     stats = replay_methods(methods, seqs, pool_size=4, autocast=False)
     assert stats["oracle"].tau >= stats["native"].tau
     for name in ("native", "swap"):
         for seq, lengths in zip(seqs, stats[name].accept_lengths):
             live = speculative_generate(target, drafter, seq.tokens[: seq.prompt_len].tolist(), seq.response_len,
-                                        repair=methods[name].repair, pool_size=4).stats.accept_lengths
+                                        method=methods[name].method, pool_size=4).stats.accept_lengths
             assert lengths[:-1] == live[: len(lengths) - 1]  # step by step; live may draft past the end
 
 
 def test_live_compare_reports_tau_speedup_and_where_a_step_goes(setup):
     target, drafter = setup
     ids = [target.encode_chat(conversation(s, [])) for s in SAMPLES[:2]]
-    out = live_compare(target, {"dflash": LiveMethod(drafter), "swap": LiveMethod(drafter, lambda b: b.pool_ids[..., 1])},
+    out = live_compare(target, {"dflash": Speculator(drafter, Native()),
+                                "swap": Speculator(drafter, Hook(lambda b: b.pool_ids[..., 1]))},
                        ids, max_new_tokens=12, pool_size=4)
     assert set(out) == {"dflash", "swap"}
     for metrics in out.values():
@@ -73,4 +76,4 @@ def test_live_compare_reports_tau_speedup_and_where_a_step_goes(setup):
         assert metrics["live_prompts"] == 2 and metrics["live_tau"] >= 1.0 and metrics["ar_tokens_per_s"] > 0
         shares = metrics["live_draft_share"] + metrics["live_repair_share"] + metrics["live_verify_share"]
         assert shares == pytest.approx(1.0) and metrics["live_repair_share"] >= 0.0
-    assert live_compare(target, {"dflash": LiveMethod(drafter)}, [], 12) == {}
+    assert live_compare(target, {"dflash": Speculator(drafter, Native())}, [], 12) == {}

@@ -11,13 +11,15 @@ import pytest
 import torch
 
 from drelay.config import EvalConfig
-from drelay.decoding.replay import ORACLE
-from drelay.eval.live import oracle_hook
 from drelay.eval.report import markdown, plot_acceptance, plot_repair, plot_tau, repair_outcomes
-from drelay.eval.run import AR, CellStore, EvalMethod, folder_fingerprint, run_grid, temperature_key
+from drelay.eval.run import AR, CellStore, run_grid, temperature_key
+from drelay.models.methods import Speculator, folder_fingerprint
+from drelay.models.repair import Native, Oracle
+from tests.methods import Hook
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 BENCHES = ("gsm8k", "mt_bench")
+ORACLE = "oracle"
 
 
 def second_at_one(block):  # a repair hook that changes something: position 1 takes its 2nd candidate
@@ -29,8 +31,8 @@ def second_at_one(block):  # a repair hook that changes something: position 1 ta
 @pytest.fixture(scope="module")
 def models(chat_target_and_drafter):
     target, drafter = chat_target_and_drafter
-    methods = {"dflash": EvalMethod(drafter, None, "d1"), "dflash2": EvalMethod(drafter, second_at_one, "s1"),
-               ORACLE: EvalMethod(drafter, ORACLE, "d1")}
+    methods = {"dflash": Speculator(drafter, Native(), "d1"), "dflash2": Speculator(drafter, Hook(second_at_one), "s1"),
+               ORACLE: Speculator(drafter, Oracle(), "d1")}
     return target, methods
 
 
@@ -43,13 +45,13 @@ def config(out_dir, **kw) -> EvalConfig:
 
 def grid(models, cfg, mirror, **kw):
     target, methods = models
-    return run_grid(target, methods, cfg, mirror=mirror, pool_size=4, max_prompt_tokens=512, log=lambda s: None, **kw)
+    return run_grid(target, methods, cfg, benchmarks_dir=mirror, pool_size=4, max_prompt_tokens=512, log=lambda s: None, **kw)
 
 
 @pytest.fixture(scope="module")
-def first(models, mirror, tmp_path_factory):
+def first(models, prepared_benchmarks, tmp_path_factory):
     out = tmp_path_factory.mktemp("eval")
-    return out, grid(models, config(out), mirror)
+    return out, grid(models, config(out), prepared_benchmarks)
 
 
 def test_every_cell_is_present_and_finite(first):
@@ -78,38 +80,50 @@ def test_every_cell_is_present_and_finite(first):
     assert mean["tau"] == pytest.approx(sum(t0[b]["dflash2"]["tau"] for b in BENCHES) / 2)
 
 
-def test_the_live_oracle_with_a_full_pool_accepts_every_block_like_the_replayed_one(models, mirror, tmp_path):
+def test_the_live_oracle_with_a_full_pool_accepts_every_block_like_the_replayed_one(models, prepared_benchmarks,
+                                                                                        tmp_path):
     target, methods = models  # pool = the whole vocabulary: the oracle always holds the true token
     cfg = config(tmp_path, benchmarks=("gsm8k",), methods=(AR, ORACLE), samples={"default": 1}, temperatures=(0.0,),
                  max_new_tokens={"default": 14}, live_max_new_tokens=14)
-    result = run_grid(target, {ORACLE: methods[ORACLE]}, cfg, mirror=mirror, pool_size=target.vocab_size,
+    result = run_grid(target, {ORACLE: methods[ORACLE]}, cfg, benchmarks_dir=prepared_benchmarks,
+                      pool_size=target.vocab_size,
                       max_prompt_tokens=512, log=lambda s: None)
     oracle = result.tables["T0"]["gsm8k"][ORACLE]
     assert oracle["tau"] == oracle["tau_live"] > 3.0 and oracle["identical_rate"] == 1.0
     assert oracle["pool_hit"] == 1.0 and oracle["repair_precision"] == 1.0
 
 
-def test_oracle_hook_picks_the_reference_token_when_in_the_pool():
-    from drelay.decoding.generate import DraftBlock
+def test_the_live_oracle_reads_the_reference_token_at_each_draft_position(models):
+    """The engine hands the oracle AR's output at the block's positions: in the pool it is taken, out of
+    the pool (or past the reference's end, -1) the native stays."""
+    from drelay.decoding.generate import DecodeState, SpeculativeDecoder
+    from drelay.models.repair import DraftBlock
 
-    pool = torch.tensor([[[5, 6], [7, 8], [9, 10]]])  # (1, 3 positions, k=2)
-    block = DraftBlock(torch.tensor([4]), torch.tensor([12]), None, None, pool, torch.zeros(1, 3, 2))
+    target, methods = models
+    decoder = SpeculativeDecoder(target, methods[ORACLE].drafter, Oracle(), block_size=4, pool_size=2,
+                                 reference=[0, 0, 0, 6, 1, 10])
     # prompt of 10 tokens: the anchor (position 12) is new token 2; drafts are new tokens 3, 4, 5
-    hook = oracle_hook(10, [0, 0, 0, 6, 1, 10])
-    assert hook(block).tolist() == [[6, 7, 10]]  # in pool / not in pool (native) / in pool
-    assert oracle_hook(10, [0, 0, 0, 6])(block).tolist() == [[6, 7, 9]]  # past the reference: native
+    truth = decoder._truth(DecodeState(None, None, torch.tensor([4]), 12, [], prompt_len=10), 3)
+    assert truth.tolist() == [[6, 1, 10]]
+    assert decoder._truth(DecodeState(None, None, torch.tensor([4]), 13, [], prompt_len=10), 3).tolist() == [[1, 10, -1]]
+    pool = torch.tensor([[[5, 6], [7, 8], [9, 10]]])  # (1, 3 positions, k=2)
+    block = DraftBlock(torch.tensor([4]), torch.tensor([12]), None, None, pool, torch.zeros(1, 3, 2), truth)
+    assert Oracle().select(block).tolist() == [[6, 7, 10]]  # in pool / not in pool (native) / in pool
+    with pytest.raises(ValueError, match="reads the target's greedy output"):
+        SpeculativeDecoder(target, methods[ORACLE].drafter, Oracle())  # no reference: an error, not a guess
 
 
-def test_second_run_reuses_every_cell_and_gives_the_same_tables(first, models, mirror):
+def test_second_run_reuses_every_cell_and_gives_the_same_tables(first, models, prepared_benchmarks):
     out, result = first
-    again = grid(models, config(out), mirror)
+    again = grid(models, config(out), prepared_benchmarks)
     assert again.computed == 0 and again.reused == result.computed + result.reused
     for tkey in result.tables:
         for bench in BENCHES:
             assert again.tables[tkey][bench] == result.tables[tkey][bench]
 
 
-def test_an_interrupted_run_resumes_from_its_finished_cells(models, mirror, tmp_path):
+def test_an_interrupted_run_resumes_from_its_finished_cells(models, prepared_benchmarks, tmp_path):
+    mirror = prepared_benchmarks
     cfg = config(tmp_path, benchmarks=("gsm8k",))
 
     def stop_after(n):
@@ -126,11 +140,12 @@ def test_an_interrupted_run_resumes_from_its_finished_cells(models, mirror, tmp_
     assert resumed.reused == 5 and resumed.computed == 8 - 5  # (3 methods + 1 live) x 2 temperatures
 
 
-def test_a_changed_model_recomputes_only_its_cells_and_the_live_ones(first, models, mirror):
+def test_a_changed_model_recomputes_only_its_cells_and_the_live_ones(first, models, prepared_benchmarks):
     out, result = first
     target, methods = models
-    changed = {**methods, "dflash2": EvalMethod(methods["dflash2"].drafter, second_at_one, "s2")}
-    again = run_grid(target, changed, config(out), mirror=mirror, pool_size=4, max_prompt_tokens=512,
+    changed = {**methods, "dflash2": Speculator(methods["dflash2"].drafter, Hook(second_at_one), "s2")}
+    again = run_grid(target, changed, config(out), benchmarks_dir=prepared_benchmarks, pool_size=4,
+                     max_prompt_tokens=512,
                      log=lambda s: None)
     per_temp_bench = 1 + 1  # dflash2's replay cell + the live cell (it holds every method)
     assert again.computed == per_temp_bench * len(BENCHES) * 2

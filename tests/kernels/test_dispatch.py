@@ -1,33 +1,47 @@
-"""The dispatch point: DRELAY_KERNELS picks the Triton launcher or the reference, CPU defaults to the
-reference, and the Triton path really runs interpreted kernels here."""
+"""The kernel choice: DRELAY_KERNELS picks the Triton launchers or the references once, for a device;
+CPU defaults to the references, and the Triton path really runs interpreted kernels here."""
 
 import pytest
 import torch
 
 from drelay.kernels import reference
-from drelay.kernels.reference import OPS, kernel, use_triton
+from drelay.kernels.ops import OPS, REFERENCE, kernel_ops
+from drelay.models.drafter import BlockDrafter
+from drelay.models.relay import DRelay
+from tests.conftest import make_tiny_target
 
 
 def test_auto_on_cpu_is_the_reference(kernels):
     kernels("auto")
-    x = torch.zeros(2)
-    assert not use_triton(x)
+    ops = kernel_ops("cpu")
+    assert ops is REFERENCE and not ops.fused
     for op in OPS:
-        assert kernel(op, x) is getattr(reference, f"{op}_ref")
+        assert getattr(ops, op) is getattr(reference, f"{op}_ref")
 
 
 def test_forced_triton_picks_the_launchers(kernels, device):
     kernels("triton")
-    x = torch.zeros(2, device=device)
-    assert use_triton(x)
+    ops = kernel_ops(device)
+    assert ops.fused
     for op in OPS:
-        impl = kernel(op, x)
+        impl = getattr(ops, op)
         assert impl.__module__ == f"drelay.kernels.{op}" and impl.__name__ == op
 
 
-def test_forced_reference(kernels):
+def test_forced_reference(kernels, device):
     kernels("reference")
-    assert kernel("verify", torch.zeros(2)) is reference.verify_ref
+    assert kernel_ops(device) is REFERENCE
+
+
+def test_models_keep_the_ops_they_were_bound_with(kernels):
+    """Chosen once: a drafter and a relay keep the ops of their attach, whatever the setting says later."""
+    target = make_tiny_target(vocab_size=24, dtype=torch.float32)
+    kernels("triton")
+    drafter = BlockDrafter.for_target(target, block_size=4)
+    relay = DRelay.for_drafter(drafter, reader_dim=16, reader_heads=4, pool_size=4)
+    kernels("reference")
+    assert drafter.ops.fused and relay.ops.fused
+    assert not drafter.attach(target).ops.fused and not relay.attach(target.embed_tokens).ops.fused
 
 
 def test_kernels_are_interpreted_on_cpu(device):
@@ -42,14 +56,11 @@ def test_kernels_are_interpreted_on_cpu(device):
 def test_bad_settings_are_errors(kernels, monkeypatch):
     kernels("fast")
     with pytest.raises(ValueError, match="DRELAY_KERNELS='fast'"):
-        use_triton(torch.zeros(1))
-    kernels("auto")
-    with pytest.raises(ValueError, match="unknown kernel op 'softmax'"):
-        kernel("softmax", torch.zeros(1))
+        kernel_ops("cpu")
     kernels("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    with pytest.raises(RuntimeError, match="needs CUDA tensors"):
-        use_triton(torch.zeros(1))
+    with pytest.raises(RuntimeError, match="needs a CUDA device"):
+        kernel_ops("cpu")
 
 
 def test_triton_itself_was_imported_under_the_interpreter(device):

@@ -26,8 +26,9 @@ def models():
 def _decode(models, mode, kernels, repair, temperature=0.0, seed=0):
     target, drafter, relay = models
     kernels(mode)
+    drafter.attach(target), relay.attach(target.embed_tokens)  # models choose their ops when attached
     gen = torch.Generator().manual_seed(seed)
-    return [speculative_generate(target, drafter, prompt, 16, repair=relay if repair else None, pool_size=4,
+    return [speculative_generate(target, drafter, prompt, 16, method=relay if repair else None, pool_size=4,
                                  temperature=temperature, generator=gen) for prompt in PROMPTS]
 
 

@@ -43,8 +43,10 @@ def test_drafter_pool_through_the_kernel_skips_the_logits(kernels):
     drafter = BlockDrafter.for_target(target, block_size=4)
     hidden = torch.randn(2, 3, target.hidden_size, generator=torch.Generator().manual_seed(0))
     kernels("reference")
+    drafter.attach(target)  # the ops are chosen when a drafter is attached, never per call
     logits, ids, logprobs = drafter.pool(hidden, 6, with_logits=False)  # the reference always has them
     kernels("triton")
+    drafter.attach(target)
     no_logits, got_ids, got_logprobs = drafter.pool(hidden, 6, with_logits=False)
     assert no_logits is None and torch.equal(got_ids, ids)
     close(got_logprobs, logprobs)

@@ -28,19 +28,19 @@ def _inputs(b, n, k, d, rank, dtype, device, seed, residual=True):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kernel_matches_reference(device, dtype, b, n, k, d, rank, residual, seed):
     args = _inputs(b, n, k, d, rank, dtype, device, seed, residual)
-    for margin in (0.0, 0.4):
-        choice, sigma = relay_select(*args, margin=margin)
-        ref_choice, ref_sigma = relay_select_ref(*args, margin=margin)
+    for repair_margin in (0.0, 0.4):
+        choice, sigma = relay_select(*args, repair_margin=repair_margin)
+        ref_choice, ref_sigma = relay_select_ref(*args, repair_margin=repair_margin)
         assert choice.dtype == torch.long and choice.shape == (b, n) and sigma.shape == (b, n, k)
         close(sigma, ref_sigma)
         assert torch.equal(choice, ref_choice)
     if k > 1:  # the inputs make the decisions non-trivial: some positions replace the native
-        assert bool((relay_select_ref(*args, margin=0.0)[0] > 0).any())
+        assert bool((relay_select_ref(*args, repair_margin=0.0)[0] > 0).any())
 
 
-def test_a_large_margin_keeps_every_native(device):
+def test_a_large_repair_margin_keeps_every_native(device):
     args = _inputs(2, 4, 4, 16, 4, torch.float32, device, seed=3)
-    choice, _ = relay_select(*args, margin=1e9)
+    choice, _ = relay_select(*args, repair_margin=1e9)
     assert not bool(choice.any())
 
 
@@ -60,8 +60,10 @@ def test_drelay_select_through_the_kernel(kernels, bilinear_rank, residual):
     for seed in (1, 2):
         block = _block(seed=seed)
         kernels("reference")
+        relay.attach(relay.shared.embed_tokens)  # the ops are chosen when the relay is attached
         tokens, sigma = relay.select(block, return_scores=True)
         kernels("triton")
+        relay.attach(relay.shared.embed_tokens)
         got_tokens, got_sigma = relay.select(block, return_scores=True)
         assert torch.equal(got_tokens, tokens)
         close(got_sigma, sigma)

@@ -7,14 +7,14 @@ import random
 import pytest
 import torch
 
-from drelay.config import JointConfig
+from drelay.config import DRelaySettings
 from drelay.kernels.reference import support_loss_ref
 from drelay.kernels.support_loss import support_loss
 from drelay.models.drafter import BlockDrafter
 from drelay.models.relay import DRelay
-from drelay.training.data import IGNORE, make_batch
+from drelay.data.records import IGNORE, make_batch
 from drelay.training.distill import generate_batch
-from drelay.training.joint import joint_loss
+from drelay.training.trainer import block_hidden
 from tests.conftest import make_tiny_target
 from tests.kernels.conftest import close
 
@@ -78,20 +78,21 @@ def test_launcher_names_the_bad_argument(device):
 
 
 def test_joint_drelay_loss_through_the_kernel(kernels):
-    """joint_loss's DRelay path: fused terms = the logits path. Under the joint loss's bf16 autocast the
+    """DRelay's joint loss: fused terms = the logits path. Under the joint loss's bf16 autocast the
     reference rounds the logits to bf16 and the kernel keeps them fp32: bf16 tolerance there."""
     target = make_tiny_target(vocab_size=64, dtype=torch.float32, seed=2, init=0.3)
     torch.manual_seed(0)
     drafter = BlockDrafter.for_target(target, block_size=4)
-    relay = DRelay.for_drafter(drafter, reader_dim=32, reader_heads=4, pool_size=4)
+    relay = DRelay.create(drafter, DRelaySettings(reader_dim=32, reader_layers=2, reader_heads=4), pool_size=4, seed=0)
     seqs = generate_batch(target, [[1, 5, 7, 9], [1, 20, 21]], 10, set())
     batch = make_batch(seqs, 2, 4, random.Random(0))
-    cfg = JointConfig(reader_dim=32, reader_layers=2, reader_heads=4)
     terms, grads = {}, {}
     for mode in ("reference", "triton"):
         kernels(mode)
+        relay.attach(target.embed_tokens)  # the ops are chosen when the relay is attached
         drafter.zero_grad()
-        loss, terms[mode] = joint_loss(drafter, relay, batch, cfg, gamma=4.0, pool_size=4)
+        loss, terms[mode] = relay.joint_loss(drafter, block_hidden(drafter, batch), batch.labels, batch.anchor_ids,
+                                             gamma=4.0, progress=1.0)
         loss.backward()
         grads[mode] = drafter.fc.weight.grad.clone()
     assert float(terms["triton"]["ce"]) != float(terms["reference"]["ce"])  # two paths: fp32 vs bf16 logits

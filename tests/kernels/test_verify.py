@@ -4,7 +4,8 @@ same draws), at every acceptance length, and the residual draws are the ones `re
 import pytest
 import torch
 
-from drelay.decoding.verify import rejection_accept, residual_noise, target_probs
+from drelay.decoding.verify import rejection_accept, residual_noise
+from drelay.kernels.reference import target_probs
 from drelay.kernels.reference import verify_ref
 from drelay.kernels.verify import verify
 

@@ -2,17 +2,21 @@
 repair, causality, untrained = native top-1, gradient flow, lossless decoding through the engine, a
 synthetic task each head must learn, Domino's λ schedule, and save/load."""
 
+from dataclasses import make_dataclass
+
 import pytest
 import torch
 from torch import nn
 
-from drelay.decoding.generate import DraftBlock, ar_generate, speculative_generate
+from drelay.models.repair import DraftBlock
+from drelay.decoding.generate import ar_generate, speculative_generate
 from drelay.models.drafter import BlockDrafter
-from drelay.models.heads import (HEADS, DFlash2Config, DominoConfig, DominoHead, DSparkHead, HeadError, RepairHead,
-                                 load_head, make_head)
-from drelay.models.relay import candidate_pool
-from drelay.training.data import IGNORE
+from drelay.models.heads import HEADS, DFlash2Config, DominoConfig, DominoHead, DSparkHead, HeadError, RepairHead
+from drelay.models.methods import create_method, load_method, method_class
+from drelay.kernels.reference import candidate_pool
+from drelay.data.records import IGNORE
 from tests.conftest import make_tiny_target
+from tests.methods import Hook
 
 V, H, N, K = 40, 16, 5, 4  # vocabulary, width, drafted positions per block, pool size
 KINDS = list(HEADS)
@@ -180,8 +184,9 @@ PROMPTS = [[1, 5, 7, 9, 3], [1, 20, 21], [1, 17, 18, 19, 20]]
 def test_engine_with_a_head_is_lossless(kind):
     target = make_tiny_target(vocab_size=24, init=0.3, seed=2)  # float64
     drafter = BlockDrafter.for_target(target, block_size=4)
-    head = as_if_trained(make_head(kind, drafter, pool_size=4, **{k: v for k, v in TINY[kind].items()
-                                                                  if k != "pool_size"}), std=1.0)
+    settings = make_dataclass("Settings", [(k, type(v)) for k, v in TINY[kind].items() if k != "pool_size"])
+    head = as_if_trained(create_method(kind, drafter, settings(**{k: v for k, v in TINY[kind].items()
+                                                                  if k != "pool_size"}), 4, seed=0), std=1.0)
     assert head.dtype == torch.float64 and head.shared.embed_tokens is target.embed_tokens
     replaced = []
 
@@ -191,7 +196,7 @@ def test_engine_with_a_head_is_lossless(kind):
         return tokens
 
     for prompt in PROMPTS:
-        spec = speculative_generate(target, drafter, prompt, 30, repair=counting, pool_size=4)
+        spec = speculative_generate(target, drafter, prompt, 30, method=Hook(counting), pool_size=4)
         assert spec.tokens == ar_generate(target, prompt, 30).tokens
     assert sum(replaced) > 0  # the head did change drafts, and the output stayed identical
 
@@ -279,8 +284,8 @@ def test_save_load_round_trip_never_stores_the_embedding(kind, tmp_path):
     state = head.state_dict()
     assert not any("shared" in key or "embed_tokens" in key for key in state)
     assert not any(v.shape == embed.weight.shape and torch.equal(v, embed.weight) for v in state.values())
-    head.save(tmp_path / kind)
-    loaded = load_head(kind, tmp_path / kind, embed)
+    head.save(tmp_path / kind / "head")
+    loaded = load_method(kind, tmp_path / kind, embed)
     assert type(loaded) is HEADS[kind] and loaded.config == head.config and loaded.shared.embed_tokens is embed
     assert all(torch.equal(loaded.state_dict()[key], value) for key, value in state.items())
     block = _block()
@@ -290,8 +295,8 @@ def test_save_load_round_trip_never_stores_the_embedding(kind, tmp_path):
 
 
 def test_registry_configs_and_binding_fail_clearly():
-    with pytest.raises(ValueError, match="unknown repair head 'medusa'"):
-        load_head("medusa", "anywhere")
+    with pytest.raises(ValueError, match="unknown repair method 'medusa'"):
+        method_class("medusa")
     with pytest.raises(ValueError, match="rank"):
         DFlash2Config(hidden_size=H, vocab_size=V, rank=0)
     with pytest.raises(ValueError, match="anneal_fraction"):

@@ -1,17 +1,22 @@
 """DRelay reader + selector: parallel training pass = sequential inference pass, causality of the
 selector, globality of the reader, the decision rule, save/load, and the engine hook (lossless)."""
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
-from drelay.decoding.generate import DraftBlock, ar_generate, speculative_generate
+from drelay.models.repair import DraftBlock
+from drelay.decoding.generate import ar_generate, speculative_generate
 from drelay.decoding.replay import replay
 from drelay.models.drafter import BlockDrafter
-from drelay.models.relay import DRelay, RelayConfig, RelayError, candidate_pool
-from drelay.training.data import IGNORE
+from drelay.models.relay import DRelay, RelayConfig, RelayError
+from drelay.kernels.reference import candidate_pool
+from drelay.data.records import IGNORE
 from drelay.training.distill import generate_batch
 from tests.conftest import make_tiny_target
+from tests.methods import Hook
 
 V, H = 40, 16
 
@@ -143,37 +148,43 @@ def test_an_untrained_relay_scores_the_drafters_log_probs_and_keeps_every_native
     assert not torch.allclose(plain.select(block, return_scores=True)[1], block.pool_logprobs.double())
 
 
-def test_decision_keeps_the_native_unless_an_alternative_wins_by_the_margin():
+def test_decision_keeps_the_native_unless_an_alternative_wins_by_the_repair_margin():
     relay, block = _relay(), _block(b=8)
     tokens, sigma = relay.select(block, return_scores=True)
     gain, alt = sigma[..., 1:].max(-1)
     j = torch.where(gain - sigma[..., 0] > 0.0, alt + 1, 0)
     assert torch.equal(tokens, block.pool_ids.gather(-1, j[..., None]).squeeze(-1))
     assert bool((j > 0).any()) and bool((j == 0).any())
-    assert torch.equal(relay.select(block, margin=1e9), block.pool_ids[..., 0])
+    assert torch.equal(relay.select(block, repair_margin=1e9), block.pool_ids[..., 0])
     # at the first position (no prefix of choices yet) a wider margin replaces a subset, strictly fewer
     first_gain = (gain - sigma[..., 0])[:, 0]
-    wide = relay.select(block, margin=float(first_gain[first_gain > 0].min()))
+    wide = relay.select(block, repair_margin=float(first_gain[first_gain > 0].min()))
     native = block.pool_ids[..., 0]
     assert bool(((wide != native)[:, 0] <= (tokens != native)[:, 0]).all())
     assert (wide != native)[:, 0].sum() < (tokens != native)[:, 0].sum()
 
 
-def test_save_load_keeps_the_margin_and_never_saves_the_embedding(tmp_path):
-    relay = _relay(margin=0.25)
+def test_save_load_keeps_the_repair_margin_and_never_saves_the_embedding(tmp_path):
+    relay = _relay(repair_margin=0.25)
     assert not any("embed" in k and "proj" not in k for k in relay.state_dict())
     assert all(V not in v.shape for v in relay.state_dict().values())
     relay.save(tmp_path / "relay")
     loaded = DRelay.load(tmp_path / "relay", relay.shared.embed_tokens)
-    assert loaded.config == relay.config and loaded.config.margin == 0.25
+    assert loaded.config == relay.config and loaded.config.repair_margin == 0.25
     block = _block()
     assert torch.equal(loaded.select(block), relay.select(block))
     with pytest.raises(RelayError, match="missing"):
         DRelay.load(tmp_path / "nowhere")
     with pytest.raises(RelayError, match="attach"):
         DRelay(relay.config).double().select(block)
-    with pytest.raises(ValueError, match="margin"):
-        RelayConfig(hidden_size=H, margin=-0.1)
+    with pytest.raises(ValueError, match="repair_margin"):
+        RelayConfig(hidden_size=H, repair_margin=-0.1)
+    # a relay saved before δ was renamed (config.json says "margin") loads with its δ
+    config_file = tmp_path / "relay" / "config.json"
+    old = json.loads(config_file.read_text())
+    old["margin"] = old.pop("repair_margin")
+    config_file.write_text(json.dumps(old))
+    assert DRelay.load(tmp_path / "relay").config.repair_margin == 0.25
 
 
 PROMPTS = [[1, 5, 7, 9, 3], [1, 20, 21], [1, 17, 18, 19, 20]]
@@ -194,9 +205,9 @@ def test_engine_with_relay_repair_is_lossless_and_replay_runs():
     live = []
     for prompt in PROMPTS:
         ar = ar_generate(target, prompt, 30).tokens
-        spec = speculative_generate(target, drafter, prompt, 30, repair=counting, pool_size=4)
+        spec = speculative_generate(target, drafter, prompt, 30, method=Hook(counting), pool_size=4)
         assert spec.tokens == ar
-        assert speculative_generate(target, drafter, prompt, 30, repair=relay, pool_size=4).tokens == ar
+        assert speculative_generate(target, drafter, prompt, 30, method=relay, pool_size=4).tokens == ar
         live.append(spec.stats.accept_lengths)
     assert sum(replaced) > 0  # the relay did change drafts, and output stayed identical
 

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from drelay.decoding.generate import ar_generate
-from drelay.training.distill import MANIFEST, distill, generate_batch, load_distilled, load_shard, save_shard
+from drelay.data.records import MANIFEST, load_distilled, load_shard, save_shard
+from drelay.training.distill import distill, generate_batch
 from tests.conftest import make_tiny_target
 
 PROMPTS = [[1, 5, 7, 9, 3], [1, 40, 41], [1, 17, 18, 19, 20, 21, 22], [1, 88], [1, 3, 3, 60, 22]]

@@ -9,14 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from drelay.config import JOINT_METHODS, ConfigError, JointConfig, TrainConfig, load_section
+from drelay.config import (JOINT_METHODS, ConfigError, DFlash2Settings, DominoSettings, DRelaySettings, DSparkSettings,
+                           JointCommon, JointConfig, TrainConfig, load_section)
+from drelay.data.records import Sequence, split_sequences
 from drelay.decoding.replay import replay
 from drelay.models.drafter import BlockDrafter
+from drelay.models.methods import create_method, load_method
 from drelay.models.relay import DRelay
-from drelay.training import joint
-from drelay.training.distill import Sequence
-from drelay.training.joint import CHECKPOINT, choose_margin, make_relay, train_joint
-from drelay.training.trainer import split_sequences, train_drafter
+from drelay.training import trainer
+from drelay.training.trainer import CHECKPOINT, replay_bf16, train_dflash, train_method
 from tests.conftest import make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,11 +57,12 @@ def _train_cfg(tmp: Path) -> TrainConfig:
                        checkpoint_dir=str(tmp / "ckpt_dflash"))
 
 
-def _cfg(tmp: Path, **kw) -> JointConfig:
-    base = dict(extra_steps=150, lr=5e-3, warmup_steps=2, reader_dim=32, reader_layers=2, reader_heads=4,
-                margins=(0.0, 0.5, 1.0, 2.0), replay_sequences=32, eval_every=50, checkpoint_every=50,
+def _cfg(tmp: Path, common: dict | None = None, **sections) -> JointConfig:
+    base = dict(extra_steps=150, lr=5e-3, warmup_steps=2, replay_sequences=32, eval_every=50, checkpoint_every=50,
                 out_dir=str(tmp / "joint"), checkpoint_dir=str(tmp / "ckpt"))
-    return JointConfig(**{**base, **kw})
+    drelay = DRelaySettings(reader_dim=32, reader_layers=2, reader_heads=4, repair_margins=(0.0, 0.5, 1.0, 2.0))
+    return JointConfig(methods=JOINT_METHODS, common=JointCommon(**{**base, **(common or {})}),
+                       **{"drelay": drelay, **sections})
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +77,7 @@ def setup(tmp_path_factory):
         data = _phrase_data(96, target.hidden_size, len(drafter.config.target_layer_ids))
         train, val = split_sequences(data, 0.3, seed=0)
         train_cfg = _train_cfg(tmp)
-        train_drafter(drafter, train, val, train_cfg, pool_size=POOL)
+        train_dflash(drafter, train, val, train_cfg, pool_size=POOL, seed=0)
     start = lambda: BlockDrafter.load(tmp / "drafter", target).float()  # noqa: E731  a fresh copy each call
     return target, train, val, train_cfg, start
 
@@ -91,21 +93,21 @@ def _recorded_run(setup, method: str, cfg: JointConfig) -> dict:
     """One joint run from the shared start, with the anchors of every batch drawn and everything logged."""
     _, train, val, train_cfg, start = setup
     anchors, logs = [], []
-    real = joint.sample_batch
+    real = trainer.sample_batch
 
     def recording(*args, **kwargs):
         batch = real(*args, **kwargs)
         anchors.append(batch.anchors.clone())
         return batch
 
-    joint.sample_batch = recording
+    trainer.sample_batch = recording
     try:
         drafter = start()
-        result = train_joint(method, drafter, train, val, cfg, train_cfg, pool_size=POOL, seed=0,
-                             log=lambda metrics, step: logs.append((step, dict(metrics))))
+        result = train_method(method, drafter, train, val, cfg, train_cfg, pool_size=POOL, seed=0,
+                              log=lambda metrics, step: logs.append((step, dict(metrics))))
     finally:
-        joint.sample_batch = real
-    return dict(result=result, drafter=drafter, anchors=anchors, logs=logs)
+        trainer.sample_batch = real
+    return dict(result=result, drafter=drafter, anchors=anchors, logs=logs, out_dir=Path(cfg.common.out_dir) / method)
 
 
 def test_both_methods_start_alike_draw_the_same_batches_and_get_the_same_budget(runs):
@@ -118,7 +120,8 @@ def test_both_methods_start_alike_draw_the_same_batches_and_get_the_same_budget(
     assert d0["val_ce"] == r0["val_ce"] and d0["native_tau"] == r0["native_tau"] == d0["replay_tau"]
     steps = [[h["step"] for h in runs[m]["result"].history] for m in ("dflash", "drelay")]
     assert steps[0] == steps[1] == [0, 50, 100, 150]
-    assert dflash["result"].margin is None and drelay["result"].margin is not None
+    assert not dflash["result"].tuned and drelay["result"].tuned  # only drelay has a setting to tune (δ)
+    assert "repair_margin" not in dflash["result"].final and "repair_margin" in drelay["result"].final
     for method in ("dflash", "drelay"):
         final = runs[method]["result"].final
         for key in ("replay_tau", "replay_pool_hit", "replay_replace_rate", "replay_repair_precision",
@@ -137,7 +140,7 @@ def test_drelay_logs_every_loss_term_and_all_are_finite(runs):
         assert metrics["train_repair"] > 0 and metrics["train_support"] > 0
     evals = [m for _, m in runs["drelay"]["logs"] if "replay_tau" in m]
     assert len(evals) == 4 and all(math.isfinite(m[f"val_{term}"]) for m in evals for term in TERMS)
-    assert any(k.startswith("margin_tau_") for _, m in runs["drelay"]["logs"] for k in m)
+    assert any(k.startswith("tune_tau_") for _, m in runs["drelay"]["logs"] for k in m)
 
 
 def test_joint_loss_moves_backbone_reader_and_selector(setup, runs):
@@ -146,27 +149,30 @@ def test_joint_loss_moves_backbone_reader_and_selector(setup, runs):
     before = start().state_dict()
     moved = {name: not torch.equal(before[name], p) for name, p in run["drafter"].state_dict().items()}
     assert all(moved.values()), [n for n, ok in moved.items() if not ok]
-    init = make_relay(start(), _cfg(run["tmp"]), POOL, seed=0).state_dict()
-    trained = DRelay.load(run["result"].out_dir / "relay", target.embed_tokens)
+    init = create_method("drelay", start(), _cfg(run["tmp"]).drelay, POOL, seed=0).state_dict()
+    trained = DRelay.load(run["out_dir"] / "relay", target.embed_tokens)
     moved = {name: not torch.equal(init[name], p.float()) for name, p in trained.state_dict().items()}
     assert any(n.startswith("reader.layers") for n in moved) and any(n.startswith("selector.prefix") for n in moved)
     assert all(moved.values()), [n for n, ok in moved.items() if not ok]
 
 
-def test_choose_margin_picks_the_best_held_out_replay_tau_and_the_relay_is_saved_with_it(setup, runs):
+def test_tune_picks_the_repair_margin_with_the_best_held_out_replay_tau_and_the_relay_is_saved_with_it(setup, runs):
     target, _, val, *_ = setup
-    result = runs["drelay"]["result"]
-    drafter = BlockDrafter.load(result.out_dir / "drafter", target).float()
-    relay = DRelay.load(result.out_dir / "relay", target.embed_tokens)
-    assert relay.config.margin == result.margin == result.final["margin"]
-    assert result.margin == max(result.margin_taus, key=lambda m: (result.margin_taus[m], -m))
+    result, out_dir = runs["drelay"]["result"], runs["drelay"]["out_dir"]
+    drafter = BlockDrafter.load(out_dir / "drafter", target).float()
+    relay = DRelay.load(out_dir / "relay", target.embed_tokens)
+    assert relay.config.repair_margin == result.final["repair_margin"]
+    assert result.final["repair_margin"] == max(result.tuned, key=lambda m: (result.tuned[m], -m))
 
     margins = (0.0, 0.25, 1.0, 3.0, 1e9)  # 1e9: never replace, the native τ
-    best, taus = choose_margin(drafter, relay, val, margins, POOL)
+    relay.settings = DRelaySettings(repair_margins=margins)
+    taus = relay.tune(lambda hook: replay_bf16(drafter, val, POOL, hook).tau)
+    best = relay.config.repair_margin
     expected = {}
     for m in margins:  # recomputed independently: one replay per δ
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            expected[m] = replay(drafter, val, pool_size=POOL, repair=lambda block: relay.select(block, margin=m)).tau
+            expected[m] = replay(drafter, val, pool_size=POOL,
+                                 repair=lambda block: relay.select(block, repair_margin=m)).tau
     assert taus == expected
     assert len(set(taus.values())) > 1  # the choice is not trivial
     top = max(expected.values())
@@ -196,15 +202,15 @@ def test_a_killed_joint_run_resumes_and_ends_where_an_uninterrupted_one_does(set
     target, train, val, train_cfg, start = setup
     short = dict(extra_steps=12, eval_every=6, checkpoint_every=4)
     straight = start()
-    train_joint("drelay", straight, train, val, _cfg(tmp_path / "a", **short), train_cfg, pool_size=POOL, seed=0)
-    cfg = _cfg(tmp_path / "b", **short)
+    train_method("drelay", straight, train, val, _cfg(tmp_path / "a", short), train_cfg, pool_size=POOL, seed=0)
+    cfg = _cfg(tmp_path / "b", short)
 
     def die_at_step_6(step, metrics):
         if step == 6:
             raise Killed  # after the step-4 checkpoint, before the step-8 one
 
     with pytest.raises(Killed):
-        train_joint("drelay", start(), train, val, cfg, train_cfg, pool_size=POOL, seed=0, progress=die_at_step_6)
+        train_method("drelay", start(), train, val, cfg, train_cfg, pool_size=POOL, seed=0, progress=die_at_step_6)
     assert (tmp_path / "b" / "ckpt" / "drelay" / CHECKPOINT).is_file()
 
     seen = []  # another starting drafter must not continue from that checkpoint
@@ -217,17 +223,17 @@ def test_a_killed_joint_run_resumes_and_ends_where_an_uninterrupted_one_does(set
     with torch.no_grad():
         other.fc.weight.mul_(1.01)
     with pytest.raises(Killed):
-        train_joint("drelay", other, train, val, cfg, train_cfg, pool_size=POOL, seed=0, progress=stop_at_once)
+        train_method("drelay", other, train, val, cfg, train_cfg, pool_size=POOL, seed=0, progress=stop_at_once)
     assert seen == [1]
 
     resumed = start()
-    result = train_joint("drelay", resumed, train, val, cfg, train_cfg, pool_size=POOL, seed=0)
+    result = train_method("drelay", resumed, train, val, cfg, train_cfg, pool_size=POOL, seed=0)
     assert result.resumed_from == 4 and result.steps == 12
     assert [h["step"] for h in result.history] == [0, 6, 12]
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
     relay_a = DRelay.load(tmp_path / "a" / "joint" / "drelay" / "relay")
-    relay_b = DRelay.load(result.out_dir / "relay")
+    relay_b = DRelay.load(tmp_path / "b" / "joint" / "drelay" / "relay")
     assert relay_a.config == relay_b.config
     for (name, a), b in zip(relay_a.state_dict().items(), relay_b.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
@@ -236,17 +242,21 @@ def test_a_killed_joint_run_resumes_and_ends_where_an_uninterrupted_one_does(set
 @pytest.mark.parametrize("params", ["params.yaml", "profiles/smoke.yaml", "profiles/qwen3-8b.yaml"])
 def test_every_profile_has_a_valid_joint_section(params):
     cfg = load_section(ROOT / params, "joint")
-    assert set(cfg.methods) == set(JOINT_METHODS) and cfg.extra_steps >= 1 and 0.0 in cfg.margins
+    assert set(cfg.methods) == set(JOINT_METHODS) and cfg.common.extra_steps >= 1 and 0.0 in cfg.drelay.repair_margins
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("joint:\n  margins: [0.5, -1]\n", "joint.margins must be a non-empty list of distinct values >= 0"),
-    ("joint:\n  margins: []\n", "joint.margins must be a non-empty list"),
+    ("joint:\n  drelay:\n    repair_margins: [0.5, -1]\n",
+     "joint.drelay.repair_margins must be a non-empty list of distinct values >= 0"),
+    ("joint:\n  drelay:\n    repair_margins: []\n", "joint.drelay.repair_margins must be a non-empty list"),
     ("joint:\n  methods: [dflash, medusa]\n", "joint.methods must be a non-empty list of distinct names from dflash"),
-    ("joint:\n  reader_heads: 3\n", "joint.reader_heads must be a divisor of reader_dim (256), got 3"),
-    ("joint:\n  eps: 0\n", "joint.eps must be in (0, 1], got 0.0"),
-    ("joint:\n  prefix_model: lstm\n", "joint.prefix_model must be gru or attn"),
-    ("joint:\n  extra_step: 10\n", "unknown key 'extra_step' in section 'joint'"),
+    ("joint:\n  drelay:\n    reader_heads: 3\n", "joint.drelay.reader_heads must be a divisor of reader_dim (256), got 3"),
+    ("joint:\n  drelay:\n    eps: 0\n", "joint.drelay.eps must be in (0, 1], got 0.0"),
+    ("joint:\n  drelay:\n    prefix_model: lstm\n", "joint.drelay.prefix_model must be gru or attn"),
+    ("joint:\n  common:\n    extra_step: 10\n", "unknown key 'extra_step' in section 'joint.common'"),
+    ("joint:\n  extra_steps: 10\n", "unknown key 'extra_steps' in section 'joint'"),
+    ("joint:\n  domino:\n    rank: 0\n", "joint.domino.rank must be >= 1, got 0"),
+    ("joint:\n  dspark: 3\n", "joint.dspark must be a mapping of settings"),
 ])
 def test_joint_section_errors_name_the_key(tmp_path, text, message):
     path = tmp_path / "params.yaml"
@@ -259,14 +269,14 @@ def test_joint_section_errors_name_the_key(tmp_path, text, message):
 def test_unknown_method_is_an_error(setup, tmp_path):
     _, train, val, train_cfg, start = setup
     with pytest.raises(ValueError, match="unknown joint method 'medusa'"):
-        train_joint("medusa", start(), train, val, _cfg(tmp_path), train_cfg, pool_size=POOL, seed=0)
+        train_method("medusa", start(), train, val, _cfg(tmp_path), train_cfg, pool_size=POOL, seed=0)
 
 
 @pytest.mark.parametrize("method", ["dflash2", "domino", "dspark"])
 def test_baseline_heads_train_under_the_same_rule_and_are_saved(setup, runs, method, tmp_path):
     target, train, val, train_cfg, start = setup
-    cfg = _cfg(tmp_path, extra_steps=60, eval_every=60, checkpoint_every=60, head_lr_scale=10.0, dflash2_rank=8,
-               domino_gru_size=16, domino_rank=16, dspark_rank=16)
+    cfg = _cfg(tmp_path, dict(extra_steps=60, eval_every=60, checkpoint_every=60, head_lr_scale=10.0),
+               dflash2=DFlash2Settings(rank=8), domino=DominoSettings(gru_size=16, rank=16), dspark=DSparkSettings(rank=16))
     run = _recorded_run(setup, method, cfg)
     result, drafter, anchors, logs = run["result"], run["drafter"], run["anchors"], run["logs"]
     dflash = runs["dflash"]
@@ -280,8 +290,8 @@ def test_baseline_heads_train_under_the_same_rule_and_are_saved(setup, runs, met
     # it learned (teacher-forced, its choice beats the drafter's top-1; on this data a dflash2 fix can sit
     # only after a wrong predecessor, so live replacements are not guaranteed) and is saved as evaluated
     assert trained[-1]["train_acc"] > trained[-1]["train_native_acc"] and final["oracle_tau"] >= final["native_tau"]
-    head = joint.load_method_head(method, result.out_dir, target.embed_tokens)
-    assert type(head) is type(joint.make_method_head(method, drafter, cfg, POOL, 0))
-    saved = BlockDrafter.load(result.out_dir / "drafter", target).float()
-    again = joint.replay_bf16(saved, val[: cfg.replay_sequences], POOL, head.select)
+    head = load_method(method, run["out_dir"], target.embed_tokens)
+    assert type(head) is type(create_method(method, drafter, cfg.settings(method), POOL, 0))
+    saved = BlockDrafter.load(run["out_dir"] / "drafter", target).float()
+    again = replay_bf16(saved, val[: cfg.common.replay_sequences], POOL, head.select)
     assert again.tau == pytest.approx(final["replay_tau"], abs=1e-9)

@@ -2,9 +2,10 @@ import pytest
 import torch
 
 from drelay.config import TrainConfig
+from drelay.data.records import split_sequences
 from drelay.models.drafter import BlockDrafter
 from drelay.training.distill import generate_batch
-from drelay.training.trainer import CHECKPOINT, lr_at, split_sequences, train_drafter
+from drelay.training.trainer import CHECKPOINT, LoopSettings, lr_at, train_dflash
 from tests.conftest import make_tiny_target
 
 
@@ -36,7 +37,7 @@ def _fresh(target):
 
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor():
-    cfg = TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1)
+    cfg = LoopSettings.for_dflash(TrainConfig(max_steps=100, warmup_steps=10, lr=1.0, min_lr_ratio=0.1))
     assert lr_at(0, cfg) == pytest.approx(0.1) and lr_at(9, cfg) == pytest.approx(1.0)
     assert lr_at(10, cfg) == pytest.approx(1.0) and lr_at(100, cfg) == pytest.approx(0.1)
     assert lr_at(50, cfg) < lr_at(20, cfg)
@@ -44,7 +45,7 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor():
 
 def test_training_lowers_held_out_loss_and_raises_replay_tau(setup, tmp_path):
     target, train, val = setup
-    result = train_drafter(_fresh(target), train, val, _cfg(tmp_path, max_steps=60, eval_every=10), pool_size=4)
+    result = train_dflash(_fresh(target), train, val, _cfg(tmp_path, max_steps=60, eval_every=10), pool_size=4, seed=0)
     first, best = result.history[0], min(result.history, key=lambda h: h["val_loss"])
     assert best["val_loss"] < first["val_loss"] - 0.3
     assert max(h["replay_tau"] for h in result.history) > first["replay_tau"]
@@ -60,7 +61,7 @@ class Killed(Exception):
 def test_a_killed_run_resumes_from_its_checkpoint_and_ends_where_an_uninterrupted_one_does(setup, tmp_path):
     target, train, val = setup
     straight = _fresh(target)
-    train_drafter(straight, train, val, _cfg(tmp_path / "a"), pool_size=4)
+    train_dflash(straight, train, val, _cfg(tmp_path / "a"), pool_size=4, seed=0)
 
     def die_at_step_6(step, metrics):
         if step == 6:
@@ -68,10 +69,10 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_ends_where_an_uninterrupte
 
     killed = _fresh(target)
     with pytest.raises(Killed):
-        train_drafter(killed, train, val, _cfg(tmp_path / "b"), pool_size=4, progress=die_at_step_6)
+        train_dflash(killed, train, val, _cfg(tmp_path / "b"), pool_size=4, seed=0, progress=die_at_step_6)
     assert (tmp_path / "b" / "ckpt" / CHECKPOINT).is_file()
     resumed = _fresh(target)
-    result = train_drafter(resumed, train, val, _cfg(tmp_path / "b"), pool_size=4)
+    result = train_dflash(resumed, train, val, _cfg(tmp_path / "b"), pool_size=4, seed=0)
     assert result.resumed_from == 4 and result.steps == 12
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
@@ -79,9 +80,9 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_ends_where_an_uninterrupte
 
 def test_changed_settings_do_not_resume_and_a_corrupt_checkpoint_is_a_clear_error(setup, tmp_path):
     target, train, val = setup
-    train_drafter(_fresh(target), train, val, _cfg(tmp_path, max_steps=4), pool_size=4)
-    other = train_drafter(_fresh(target), train, val, _cfg(tmp_path, max_steps=4, lr=1e-3), pool_size=4)
+    train_dflash(_fresh(target), train, val, _cfg(tmp_path, max_steps=4), pool_size=4, seed=0)
+    other = train_dflash(_fresh(target), train, val, _cfg(tmp_path, max_steps=4, lr=1e-3), pool_size=4, seed=0)
     assert other.resumed_from == 0
     (tmp_path / "ckpt" / CHECKPOINT).write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="corrupt checkpoint .*delete it"):
-        train_drafter(_fresh(target), train, val, _cfg(tmp_path, max_steps=4), pool_size=4)
+        train_dflash(_fresh(target), train, val, _cfg(tmp_path, max_steps=4), pool_size=4, seed=0)

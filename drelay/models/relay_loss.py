@@ -1,60 +1,14 @@
-"""Training losses (DESIGN §1.6). DFlash: position-decayed cross-entropy over the block. DRelay adds
-candidate support (keep the true token in the pool: logit hinge + the reader's per-candidate BCE)
-and the repair loss (selector CE over the pool, weighted by each position's share of the accepted
-prefix). Every function takes any leading dims, e.g. (b, nA, B-1) or (b, B-1)."""
+"""DRelay's joint objective (DESIGN §1.6) past the backbone's CE: candidate support (logit hinge + the
+reader's per-candidate BCE) and the repair loss (selector CE over the pool, weighted by each position's
+share of the accepted prefix). Every function takes any leading dims, e.g. (b, nA, B-1) or (b, B-1)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from drelay.training.data import IGNORE
-
-
-def position_weights(num_positions: int, gamma: float, device=None) -> torch.Tensor:
-    """w_i = exp(-(i-1)/gamma) for block positions i = 1..B-1: early positions matter most,
-    because a miss there discards everything after it."""
-    return torch.exp(-torch.arange(num_positions, device=device, dtype=torch.float32) / gamma)
-
-
-def dflash_ce(logits: torch.Tensor, labels: torch.Tensor, gamma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits (..., B-1, V), labels (..., B-1) -> (weighted mean CE, per-position CE (..., B-1))."""
-    ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE,
-                         reduction="none").view(labels.shape)
-    weights = position_weights(labels.shape[-1], gamma, labels.device) * (labels != IGNORE)
-    return (ce * weights).sum() / weights.sum().clamp(min=1e-8), ce
-
-
-@torch.no_grad()
-def hit_rates(logits: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """Per-position top-1 accuracy and top-k hit rate (the label inside the pool): (B-1,) each."""
-    valid = (labels != IGNORE).float()
-    topk = logits.topk(k, dim=-1).indices  # (..., B-1, k)
-    top1 = (topk[..., 0] == labels).float() * valid
-    in_pool = (topk == labels[..., None]).any(-1).float() * valid
-    dims = tuple(range(labels.dim() - 1))
-    count = valid.sum(dims).clamp(min=1)
-    return {"top1": top1.sum(dims) / count, "topk": in_pool.sum(dims) / count, "count": valid.sum(dims)}
-
-
-def support_hinge(logits: torch.Tensor, labels: torch.Tensor, k: int, margin: float = 1.0) -> torch.Tensor:
-    """mean softplus(z_(k) - z_y + margin): z_(k) is the k-th largest logit among the competitors
-    (the label excluded), so z_y > z_(k) means y is inside the top-k pool. logits (..., V), labels (...)."""
-    valid = labels != IGNORE
-    y = labels.clamp(min=0)[..., None]  # (..., 1)
-    z = logits.float()
-    z_y = z.gather(-1, y).squeeze(-1)
-    competitors = z.scatter(-1, y, float("-inf"))  # (..., V) without the label
-    z_k = competitors.topk(k, dim=-1).values[..., k - 1]
-    loss = F.softplus(z_k - z_y + margin) * valid
-    return loss.sum() / valid.sum().clamp(min=1)
-
-
-def pool_index(pool_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """pool_ids (..., k), labels (...) -> (index of the label in the pool (0 where absent), in_pool);
-    IGNORE labels are never in the pool."""
-    match = pool_ids == labels[..., None]  # (..., k)
-    return match.long().argmax(-1), match.any(-1) & (labels != IGNORE)
+from drelay.data.records import IGNORE
+from drelay.kernels.reference import dflash_ce, pool_index, support_hinge
 
 
 def reader_bce(support_logits: torch.Tensor, pool_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""drelay.eval.benchmarks: the eight sets from the offline mirror, their counts and prompt formats."""
+"""drelay.data.benchmarks: the eight sets from the offline mirror, their counts and prompt formats."""
 
 import dataclasses
 import gzip
@@ -10,14 +10,7 @@ import types
 
 import pytest
 
-from drelay.eval.benchmarks import (
-    BENCHMARK_NAMES,
-    HF_IDS,
-    MATH_SUFFIX,
-    BenchmarkSample,
-    conversation,
-    load_benchmark,
-)
+from drelay.data.benchmarks import BENCHMARK_NAMES, BenchmarkSample, HF_IDS, MATH_SUFFIX, conversation, load_benchmark
 from drelay.io import DataFormatError, DataNotFoundError, read_jsonl, write_jsonl
 
 COUNTS = {"gsm8k": 1319, "math500": 500, "aime24": 30, "aime25": 30,
@@ -189,3 +182,18 @@ def test_jsonl_round_trip_is_atomic_and_creates_parents(tmp_path, loaded):
         write_jsonl(broken(), path)
     assert [BenchmarkSample.from_dict(d) for d in read_jsonl(path)] == samples  # old file intact
     assert sorted(p.name for p in path.parent.iterdir()) == ["mt.jsonl"]
+
+
+def test_prepared_copies_read_back_as_the_same_samples(loaded, tmp_path):
+    """evaluate reads prepare_data's JSONL copies: the same samples, in the same order, first `limit` of them."""
+    from drelay.data.benchmarks import load_prepared_benchmark
+    from drelay.io import write_jsonl
+
+    for name in ("mt_bench", "humaneval"):
+        write_jsonl(loaded[name], tmp_path / f"{name}.jsonl")
+        assert load_prepared_benchmark(tmp_path, name) == loaded[name]
+        assert load_prepared_benchmark(tmp_path, name, 3) == loaded[name][:3]
+    with pytest.raises(FileNotFoundError, match="gsm8k.jsonl is missing \\(the prepare_data stage writes it\\)"):
+        load_prepared_benchmark(tmp_path, "gsm8k")
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+        load_prepared_benchmark(tmp_path, "nope")

@@ -9,9 +9,9 @@ import types
 import pytest
 
 from drelay.config import DataConfig
-from drelay.eval.benchmarks import BENCHMARK_NAMES, MATH_SUFFIX, load_benchmark
+from drelay.data.benchmarks import BENCHMARK_NAMES, MATH_SUFFIX, load_benchmark
 from drelay.io import DataNotFoundError, read_jsonl
-from drelay.training.prompts import Prompt, _val_counts, load_train_prompts, prepare_prompts
+from drelay.data.prompts import Prompt, _val_counts, load_train_prompts, prepare_prompts
 
 SOURCE_COUNTS = {"gsm8k": 7473, "mbpp": 464, "self_instruct": 427, "codealpaca": 2017}
 DEFAULT_SOURCES = ("gsm8k", "mbpp", "self_instruct")

@@ -19,8 +19,8 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from drelay.config import TRAIN_SOURCES, DataConfig
-from drelay.eval.benchmarks import BENCHMARK_NAMES, load_benchmark, math_prompt, mbpp_prompt
+from drelay.config import DataConfig, TRAIN_SOURCES
+from drelay.data.benchmarks import BENCHMARK_NAMES, load_benchmark, math_prompt, mbpp_prompt
 from drelay.io import HubSource, load_rows, write_jsonl
 
 MBPP_TRAIN_IDS = range(511, 975)  # validation 511-600 + train 601-974

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from drelay.io import DataFormatError, HubSource, load_rows
+from drelay.io import DataFormatError, HubSource, load_rows, read_jsonl
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 HUMANEVAL_HEADER = "Write a solution to the following problem and make sure that it passes the tests:"
@@ -185,3 +185,18 @@ def load_benchmark(name: str, mirror: str | Path, limit: int | None = None) -> l
         if sample is not None:
             samples.append(sample)
     return samples
+
+
+def load_prepared_benchmark(benchmarks_dir: str | Path, name: str, limit: int | None = None) -> list[BenchmarkSample]:
+    """Benchmark `name` as prepare_data wrote it (<data.out_dir>/benchmarks/<name>.jsonl, the same samples in
+    the same order as `load_benchmark`), the first `limit` samples if given."""
+    if name not in _SETS:
+        raise ValueError(f"unknown benchmark {name!r}; valid: {', '.join(BENCHMARK_NAMES)}")
+    path = Path(benchmarks_dir) / f"{name}.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing (the prepare_data stage writes it)")
+    records = read_jsonl(path)
+    try:
+        return [BenchmarkSample.from_dict(r) for r in records[:limit]]
+    except KeyError as e:
+        raise DataFormatError(f"{path}: a record lacks the field {e}") from None

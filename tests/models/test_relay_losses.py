@@ -8,13 +8,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drelay.decoding.generate import DraftBlock
+from drelay.models.repair import DraftBlock
 from drelay.models.drafter import BlockDrafter
-from drelay.models.relay import DRelay, RelayConfig, candidate_pool
-from drelay.training.data import IGNORE, make_batch
+from drelay.models.relay import DRelay, RelayConfig
+from drelay.kernels.reference import candidate_pool
+from drelay.data.records import IGNORE, make_batch
 from drelay.training.distill import generate_batch
-from drelay.training.losses import (drelay_loss, pool_index, prefix_weights, reader_bce, repair_loss,
-                                    support_hinge)
+from drelay.models.relay_loss import drelay_loss, prefix_weights, reader_bce, repair_loss
+from drelay.kernels.reference import pool_index, support_hinge
 from tests.conftest import make_tiny_target
 
 
