@@ -51,10 +51,15 @@ def _set_params(repo: Path, updates: dict) -> None:
 
 
 def _dvc(repo: Path, env: dict, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout + out.stderr
+    # Its own session: on a timeout the stage it runs is killed with it, not left orphaned.
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        stop_group(proc, first=signal.SIGKILL)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout + stderr
 
 
 def _runs_by_stage(uri: str) -> dict[str, list]:
