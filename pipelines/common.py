@@ -7,16 +7,19 @@ either is imported (both read their settings at import time).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
+import socket
+import subprocess
 import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from drelay.config import ConfigError, load_params
 
@@ -35,11 +38,12 @@ def configure_environment() -> None:
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
         "PREFECT_HOME": str(REPO_ROOT / ".prefect"),
-        # With no PREFECT_API_URL a flow run starts Prefect's temporary local server. Enabled here
-        # explicitly: the built-in "ephemeral" profile enables it, but a profiles.toml under
-        # PREFECT_HOME may not.
+        # With no PREFECT_API_URL, stage_main starts a server of its own for the stage (see
+        # `prefect_api`); a flow called outside stage_main starts Prefect's temporary local server.
+        # Enabled here explicitly: the built-in "ephemeral" profile enables it, but a profiles.toml
+        # under PREFECT_HOME may not.
         "PREFECT_SERVER_EPHEMERAL_ENABLED": "true",
-        # Its start takes 5-15 s here (first start migrates the db); 2-core machines need more.
+        # Either start takes 5-15 s here (first start migrates the db); 2-core machines need more.
         "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "180",
         # Quiet: hide Prefect's own INFO chatter ("Starting temporary server on ..."), keep the
         # flow and task run loggers (what stages log) at INFO.
@@ -120,16 +124,118 @@ def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None,
         params = load_params(args.params, args.overrides)
         if precheck is not None:
             precheck(params, **extra)
-        return flow_fn(params_path=args.params, overrides=args.overrides, **extra)
+        with prefect_api() if _is_prefect_flow(flow_fn) else contextlib.nullcontext():
+            return flow_fn(params_path=args.params, overrides=args.overrides, **extra)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
 
-def wait_for_health(api_url: str, timeout: float = 120.0) -> None:
-    """Block until `<api_url>/health` answers 200 (a Prefect server), or raise TimeoutError."""
+# Run as `python -c _DIE_WITH_PARENT <parent pid> <module> <args...>`: asks Linux to SIGTERM this
+# process when the thread that started it dies (PR_SET_PDEATHSIG, kept across exec), then becomes
+# `python -m <module> <args...>`. Elsewhere (no prctl) it only execs.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1: PR_SET_PDEATHSIG
+except (AttributeError, OSError):
+    pass
+if os.getppid() != int(sys.argv[1]):  # the parent died before prctl: nothing to serve
+    sys.exit(0)
+os.execv(sys.executable, [sys.executable, "-m", *sys.argv[2:]])
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _is_prefect_flow(fn: Any) -> bool:
+    flows = sys.modules.get("prefect.flows")  # not imported: fn cannot be a flow
+    return flows is not None and isinstance(fn, flows.Flow)
+
+
+def _refresh_prefect_settings() -> None:
+    """Prefect reads its settings from the environment when it is imported; re-read them (for every
+    thread, the log and event workers included) after PREFECT_API_URL changed."""
+    if "prefect.context" in sys.modules:
+        from prefect.context import refresh_global_settings_context
+
+        refresh_global_settings_context()
+
+
+def _drain_prefect_workers() -> None:
+    """Send the flow run's queued logs and events while its server is still up (best effort)."""
+    try:
+        from prefect.events.worker import EventsWorker
+        from prefect.logging.handlers import APILogWorker
+
+        APILogWorker.drain_all(timeout=10)
+        EventsWorker.drain_all(timeout=10)
+    except Exception:  # noqa: BLE001 - losing a last log line must not fail a finished stage
+        pass
+
+
+def stop_process(proc: subprocess.Popen, grace: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL after `grace` seconds; reaped either way."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def prefect_api() -> Iterator[str]:
+    """The Prefect API a stage's flow run reports to: PREFECT_API_URL when it is set (a shared server,
+    e.g. `make schedule`'s), otherwise a `prefect server start` of the stage's own on a free port of
+    127.0.0.1 (its db under PREFECT_HOME), stopped when the flow returns. That server also dies when
+    the stage process dies in any way, SIGKILL included: Prefect's own temporary server is stopped
+    only by an atexit hook, so a killed stage left it running, orphaned."""
+    url = os.environ.get("PREFECT_API_URL")
+    if url:
+        _refresh_prefect_settings()
+        try:
+            yield url
+        finally:
+            _drain_prefect_workers()
+        return
+    home = Path(os.environ.get("PREFECT_HOME", REPO_ROOT / ".prefect"))
+    home.mkdir(parents=True, exist_ok=True)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    with open(home / "stage-server.log", "wb") as log:
+        server = subprocess.Popen(
+            [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), "prefect", "server", "start",
+             "--host", "127.0.0.1", "--port", str(port), "--no-ui", "--no-scheduler", "--no-late-runs",
+             "--analytics-off"], stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 180))
+        wait_for_health(url, timeout, server=server)
+        os.environ["PREFECT_API_URL"] = url
+        _refresh_prefect_settings()
+        try:
+            yield url
+        finally:
+            _drain_prefect_workers()
+            del os.environ["PREFECT_API_URL"]
+            _refresh_prefect_settings()
+    finally:
+        stop_process(server)
+
+
+def wait_for_health(api_url: str, timeout: float = 120.0, server: subprocess.Popen | None = None) -> None:
+    """Block until `<api_url>/health` answers 200 (a Prefect server), or raise TimeoutError;
+    RuntimeError at once if `server`, the process that should answer, exits first."""
     deadline = time.monotonic() + timeout
     while True:
+        if server is not None and server.poll() is not None:
+            raise RuntimeError(f"the Prefect server for {api_url} exited with code {server.returncode} "
+                               f"before answering (log: PREFECT_HOME/stage-server.log)")
         try:
             with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=5) as response:
                 if response.status == 200:

@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny random HF targets (real transformers models, made on the fly)."""
+"""Shared fixtures: tiny random HF targets (real transformers models, made on the fly); the session's
+torch threads; the check that no process a test started outlives the session."""
 
 from __future__ import annotations
 
 import os
+import time
+import uuid
 
 # Triton's CPU interpreter for tests/kernels. It must be on before triton is first imported (its own
 # library functions are decorated then), and transformers imports triton, so it is set here, for the
@@ -19,6 +22,16 @@ from drelay.models.target import Target  # noqa: E402
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+# Tiny models gain nothing from intra-op threads; on a busy 2-core CPU they oversubscribe it (seen
+# ~100x slower). One thread for the whole session (subprocesses the tests start set their own).
+torch.set_num_threads(1)
+
+# Every process this session starts inherits this variable (subprocess environments are copies of
+# os.environ), so one it leaves behind is recognised even after it was reparented to init.
+SESSION_MARK = "DRELAY_PYTEST_SESSION"
+os.environ[SESSION_MARK] = uuid.uuid4().hex
+SESSION_START = time.time()
+
 
 def make_tiny_target(vocab_size: int = 96, dtype: torch.dtype = torch.float64, seed: int = 0,
                      num_layers: int = 6, init: float = 0.3, max_positions: int = 512) -> Target:
@@ -34,8 +47,8 @@ def make_tiny_target(vocab_size: int = 96, dtype: torch.dtype = torch.float64, s
 
 @pytest.fixture
 def one_thread():
-    """Tiny models gain nothing from intra-op threads; on a busy 2-core CPU they oversubscribe it
-    (seen ~100x slower). Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    """One torch thread during the test (already the whole session's setting, see above; kept for
+    tests that set other counts in between). `pytestmark = pytest.mark.usefixtures("one_thread")`."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -65,3 +78,54 @@ def mirror():
     if not (path / "benchmarks").is_dir():  # CI has it beside the clone: its absence is a failure
         pytest.fail(f"offline data mirror not found at {path} (shared/ must sit beside the repo)")
     return path
+
+
+def leftover_processes(basetemp: str, grace: float = 5.0) -> list:
+    """Processes this session started that are still alive after `grace` seconds: descendants of
+    this pytest process, and orphans (reparented to init) that carry this session's SESSION_MARK in
+    their environment or its temp dir on their command line. Zombies are dead and not counted."""
+    import psutil
+
+    me = psutil.Process()
+    token = os.environ[SESSION_MARK]
+    found = {p.pid: p for p in me.children(recursive=True)}
+    for proc in psutil.process_iter(["pid", "create_time", "cmdline"]):
+        if proc.pid == me.pid or proc.pid in found or (proc.info["create_time"] or 0) < SESSION_START - 1:
+            continue
+        try:
+            ours = (basetemp in " ".join(proc.info["cmdline"] or ())
+                    or proc.environ().get(SESSION_MARK) == token)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            continue
+        if ours:
+            found[proc.pid] = proc
+    _, alive = psutil.wait_procs(list(found.values()), timeout=grace)
+    leftover = []
+    for proc in alive:
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                leftover.append(proc)
+        except psutil.NoSuchProcess:
+            pass
+    return leftover
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_process_left_behind(tmp_path_factory):
+    """Fails the session (an error at the last test's teardown, after every other fixture's) when a
+    process a test or a stage started is still running: a Prefect server, a stage, a `sleep`. The
+    leftovers are listed and then killed, so the machine is clean either way."""
+    basetemp = str(tmp_path_factory.getbasetemp())
+    yield
+    leftover = leftover_processes(basetemp)
+    if not leftover:
+        return
+    lines = []
+    for proc in leftover:
+        try:
+            lines.append(f"  pid {proc.pid} (parent {proc.ppid()}): {' '.join(proc.cmdline())[:300]}")
+            proc.kill()
+        except Exception:  # noqa: BLE001 - it may exit while we look at it
+            pass
+    pytest.fail(f"{len(leftover)} process(es) started by this test session still running at its end "
+                f"(now killed):\n" + "\n".join(lines), pytrace=False)

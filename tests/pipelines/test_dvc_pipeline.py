@@ -1,5 +1,7 @@
 """The whole pipeline for real: `dvc repro` of the smoke profile in a temporary copy of the repo,
-the MLflow sqlite store read back, reruns, stage errors, and kill-then-resume of distill/train."""
+the MLflow sqlite store read back, reruns, stage errors, and kill-then-resume of distill/train.
+The stages report to one Prefect server for the module (PREFECT_API_URL), except the killed
+distill, which starts its own, as a stage does by default, and must take it down when killed."""
 
 from __future__ import annotations
 
@@ -12,10 +14,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
 from pipelines.common import REPO_ROOT
+from tests.pipelines.conftest import stop_group
 
 HEADS = ("dflash2", "domino", "dspark")
 STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash", "train@dflash", "train@drelay",
@@ -47,10 +51,15 @@ def _set_params(repo: Path, updates: dict) -> None:
 
 
 def _dvc(repo: Path, env: dict, *args: str) -> str:
-    out = subprocess.run([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, capture_output=True, text=True,
-                         timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out.stdout + out.stderr
+    # Its own session: on a timeout the stage it runs is killed with it, not left orphaned.
+    proc = subprocess.Popen([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=900)
+    finally:
+        stop_group(proc, first=signal.SIGKILL)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout + stderr
 
 
 def _runs_by_stage(uri: str) -> dict[str, list]:
@@ -75,9 +84,10 @@ def smoke_repo(tmp_path_factory, mirror):
 
 
 @pytest.fixture
-def env(subprocess_env, tmp_path_factory):
+def env(subprocess_env, tmp_path_factory, prefect_server):
+    """Stage processes' environment: the module's MLflow store and Prefect server."""
     uri = f"sqlite:///{tmp_path_factory.getbasetemp() / 'mlflow.db'}"
-    return {**subprocess_env, "MLFLOW_TRACKING_URI": uri}
+    return {**subprocess_env, "MLFLOW_TRACKING_URI": uri, "PREFECT_API_URL": prefect_server}
 
 
 def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
@@ -171,37 +181,54 @@ def _stage(repo: Path, env: dict, stage: str, *args: str, **kw) -> subprocess.Co
                           capture_output=True, text=True, timeout=600, **kw)
 
 
-def test_bad_key_and_missing_mirror_are_clear_errors(smoke_repo, env, tmp_path):
+# Params keys the error checks override, in one place (params sections are being restructured).
+JOINT_OUT_DIR, JOINT_METHODS = "joint.out_dir", "joint.methods"
+
+
+def test_bad_key_and_missing_inputs_are_clear_errors(smoke_repo, env, tmp_path, monkeypatch, capsys,
+                                                     in_process_stage):
+    """Each stage's `__main__` in-process (the same argv, options and prechecks as `python -m
+    pipelines.<stage>`; tests/pipelines/test_common.py runs one for real): one `error:` line, exit 2."""
+    monkeypatch.chdir(smoke_repo)
+    for key in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL"):  # prepare_data's flow runs before it fails
+        monkeypatch.setenv(key, env[key])
+
+    def stage(name: str, *args: str) -> tuple[int, str]:
+        code = in_process_stage(name, *args)
+        return code, capsys.readouterr().err
+
     bad = tmp_path / "bad.yaml"
     bad.write_text((smoke_repo / "params.yaml").read_text().replace("max_steps:", "max_step:"))
-    out = _stage(smoke_repo, env, "train_dflash", "--params", str(bad))
-    assert out.returncode == 2 and "unknown key 'max_step' in section 'train'" in out.stderr
-    assert "did you mean 'max_steps'" in out.stderr and "Traceback" not in out.stderr
+    code, err = stage("train_dflash", "--params", str(bad))
+    assert code == 2 and "unknown key 'max_step' in section 'train'" in err
+    assert "did you mean 'max_steps'" in err and "Traceback" not in err and err.startswith("error: ")
 
     empty = tmp_path / "empty-mirror"
     empty.mkdir()
-    out = _stage(smoke_repo, env, "prepare_data", "--set", f"data.mirror={empty}",
-                 "--set", f"data.out_dir={tmp_path / 'prepared'}")
-    assert out.returncode == 2, out.stderr[-2000:]
-    assert str(empty / "benchmarks") in out.stderr and "openai/gsm8k" in out.stderr
+    code, err = stage("prepare_data", "--set", f"data.mirror={empty}", "--set", f"data.out_dir={tmp_path / 'prepared'}")
+    assert code == 2, err[-2000:]
+    assert str(empty / "benchmarks") in err and "openai/gsm8k" in err
+    assert err.splitlines()[-1].startswith("error: ")
     assert (smoke_repo / "data/prepared/train.jsonl").is_file()  # what was computed is still there
 
-    out = _stage(smoke_repo, env, "train", "--method", "drelay", "--set", f"train.out_dir={tmp_path / 'none'}")
-    assert out.returncode == 2 and str(tmp_path / "none") in out.stderr and "train_dflash stage" in out.stderr
-    assert "Traceback" not in out.stderr
-    out = _stage(smoke_repo, env, "train", "--method", "medusa")
-    assert out.returncode == 2 and "invalid choice: 'medusa'" in out.stderr
+    code, err = stage("train", "--method", "drelay", "--set", f"train.out_dir={tmp_path / 'none'}")
+    assert code == 2 and str(tmp_path / "none") in err and "train_dflash stage" in err
+    assert "Traceback" not in err and err.startswith("error: ")
+    code, err = stage("train", "--method", "medusa")
+    assert code == 2 and "invalid choice: 'medusa'" in err
 
-    out = _stage(smoke_repo, env, "evaluate", "--set", f"joint.out_dir={tmp_path / 'none'}")
-    assert out.returncode == 2 and str(tmp_path / "none" / "dflash") in out.stderr
-    assert "train@dflash stage" in out.stderr and "Traceback" not in out.stderr
-    out = _stage(smoke_repo, env, "evaluate", "--set", "eval.methods=[ar, medusa]")
-    assert out.returncode == 2 and "eval.methods must be" in out.stderr
-    out = _stage(smoke_repo, env, "evaluate", "--set", "joint.methods=[dflash]")
-    assert out.returncode == 2 and "which joint.methods does not train" in out.stderr
+    code, err = stage("evaluate", "--set", f"{JOINT_OUT_DIR}={tmp_path / 'none'}")
+    assert code == 2 and str(tmp_path / "none" / "dflash") in err
+    assert "train@dflash stage" in err and "Traceback" not in err
+    code, err = stage("evaluate", "--set", "eval.methods=[ar, medusa]")
+    assert code == 2 and "eval.methods must be" in err
+    code, err = stage("evaluate", "--set", f"{JOINT_METHODS}=[dflash]")
+    assert code == 2 and "which joint.methods does not train" in err
 
 
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
+    """SIGKILL the stage process alone (not its group: what it started must go down on its own)
+    as soon as `ready()`."""
     deadline = time.monotonic() + timeout
     while not ready():
         assert proc.poll() is None, "the stage finished before it could be killed"
@@ -211,31 +238,77 @@ def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
     proc.wait(timeout=60)
 
 
-def test_killed_distill_and_train_resume_without_redoing_finished_work(smoke_repo, env):
+def _own_servers(proc: subprocess.Popen) -> list[psutil.Process]:
+    """The Prefect server(s) a stage process started (children of it running `prefect server ...`)."""
+    try:
+        return [p for p in psutil.Process(proc.pid).children() if "server" in p.cmdline()]
+    except psutil.Error:  # exited meanwhile
+        return []
+
+
+def test_killed_distill_and_train_resume_without_redoing_finished_work(smoke_repo, env, tmp_path):
+    """Killed as soon as the first shard / checkpoint exists, then rerun: finished work is reused. Both
+    distill runs have no PREFECT_API_URL, so each runs on a Prefect server of its own, as a stage does
+    by default: it must go down with the killed stage, and be stopped by the one that finishes."""
     repo = smoke_repo
     distill_args = ["--set", "distill.out_dir=data/distill_kill", "--set", "distill.shard_size=2",
-                    "--set", "distill.batch_size=2", "--set", "distill.max_new_tokens=200"]
+                    "--set", "distill.batch_size=2", "--set", "distill.max_new_tokens=8"]
     shards = repo / "data/distill_kill"
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.distill", *distill_args], cwd=repo, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _kill_when(proc, lambda: (shards / "shard_00001.safetensors").is_file())
+    own_server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+
+    def start_distill(stderr) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pipelines.distill", *distill_args], cwd=repo,
+                                env=own_server_env, stdout=subprocess.DEVNULL, stderr=stderr,
+                                start_new_session=True)
+
+    proc = start_distill(subprocess.DEVNULL)
+    servers: list[psutil.Process] = []
+    try:
+        def first_shard() -> bool:
+            servers[:] = servers or _own_servers(proc)
+            return (shards / "shard_00000.safetensors").is_file()
+
+        _kill_when(proc, first_shard)
+        assert len(servers) == 1  # the stage's own Prefect server, running until the kill
+        _, alive = psutil.wait_procs(servers, timeout=30)
+        assert not alive, f"the killed stage's Prefect server is still running: {alive}"
+    finally:
+        stop_group(proc, first=signal.SIGKILL)
     done = sorted(p.name for p in shards.glob("shard_*.safetensors"))
     stamps = {name: (shards / name).stat().st_mtime_ns for name in done}
-    assert not (shards / "manifest.json").exists()
-    out = _stage(repo, env, "distill", *distill_args)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert done and not (shards / "manifest.json").exists()
+
+    log = tmp_path / "distill.log"
+    with open(log, "w") as stderr:
+        proc = start_distill(stderr)
+    servers = []
+    try:
+        deadline = time.monotonic() + 600
+        while proc.poll() is None and time.monotonic() < deadline:
+            servers = servers or _own_servers(proc)
+            time.sleep(0.1)
+        assert proc.poll() == 0, log.read_text()[-2000:]
+    finally:
+        stop_group(proc, first=signal.SIGKILL)
+    assert len(servers) == 1 and not servers[0].is_running()  # stopped when the flow returned
     metrics = json.loads((repo / "metrics/distill.json").read_text())
     assert metrics["shards_reused"] == len(done) and metrics["sequences"] == metrics["prompts"]
+    assert metrics["prompts"] > 2 * len(done)  # the kill left work to do
     assert all((shards / name).stat().st_mtime_ns == stamp for name, stamp in stamps.items())
 
-    train_args = ["--set", "train.max_steps=300", "--set", "train.checkpoint_every=5", "--set", "train.eval_every=100",
-                  "--set", "train.checkpoint_dir=checkpoints/kill", "--set", "train.out_dir=models/drafter_kill"]
+    # A short run (few blocks a step), checkpointed every 2 steps, killed at the first checkpoint.
+    train_args = ["--set", "train.max_steps=24", "--set", "train.checkpoint_every=2", "--set", "train.eval_every=100",
+                  "--set", "train.blocks_per_step=4", "--set", "train.checkpoint_dir=checkpoints/kill",
+                  "--set", "train.out_dir=models/drafter_kill"]
     ckpt = repo / "checkpoints/kill/last.pt"
     proc = subprocess.Popen([sys.executable, "-m", "pipelines.train_dflash", *train_args], cwd=repo, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    _kill_when(proc, lambda: ckpt.is_file())
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        _kill_when(proc, lambda: ckpt.is_file())
+    finally:
+        stop_group(proc, first=signal.SIGKILL)
     out = _stage(repo, env, "train_dflash", *train_args)
     assert out.returncode == 0, out.stderr[-2000:]
     metrics = json.loads((repo / "metrics/train_dflash.json").read_text())
-    assert metrics["resumed_from_step"] >= 5 and metrics["steps"] == 300
+    assert 2 <= metrics["resumed_from_step"] < 24 and metrics["steps"] == 24
     assert (repo / "models/drafter_kill/model.safetensors").is_file()

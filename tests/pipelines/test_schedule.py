@@ -4,21 +4,17 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from pipelines.common import REPO_ROOT
+from tests.pipelines.conftest import stop_group
 
 pytestmark = pytest.mark.slow
-
-BIN = Path(sys.executable).parent
 
 # Runs in its own process (prefect reads PREFECT_API_URL at import): waits for the deployment,
 # triggers a run in each workdir given, prints what the test checks as JSON.
@@ -59,56 +55,6 @@ print(json.dumps(result))
 """
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def stop(proc: subprocess.Popen, first: int = signal.SIGTERM, grace: float = 15) -> None:
-    """Signal the process group we started (the server's uvicorn child, served runs), then kill."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, first)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def wait_healthy(proc: subprocess.Popen, api_url: str, log: Path, timeout: float = 120) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"prefect server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(f"{api_url}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.5)
-    pytest.fail(f"prefect server not healthy after {timeout} s:\n{log.read_text()[-3000:]}")
-
-
-@pytest.fixture
-def prefect_server(tmp_path, subprocess_env):
-    port = free_port()
-    api_url = f"http://127.0.0.1:{port}/api"
-    log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port),
-             "--no-ui"], env=subprocess_env, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
-    try:
-        wait_healthy(proc, api_url, log)
-        yield api_url
-    finally:
-        stop(proc)
-
-
 @pytest.fixture
 def served(tmp_path, prefect_server, subprocess_env):
     """`python -m pipelines.schedule` (what `make schedule` runs) serving the deployment."""
@@ -124,7 +70,7 @@ def served(tmp_path, prefect_server, subprocess_env):
     try:
         yield env, log
     finally:
-        stop(proc, first=signal.SIGINT)  # Ctrl-C, as a user stops `make schedule`
+        stop_group(proc, first=signal.SIGINT)  # Ctrl-C, as a user stops `make schedule`
 
 
 def dvc_project(path: Path, env: dict) -> Path:
