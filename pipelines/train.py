@@ -80,7 +80,9 @@ def plot_joint(method: str, result: FitResult, curve: dict[str, list[tuple[int, 
         deltas = sorted(result.tuned)
         ax.plot(deltas, [result.tuned[m] for m in deltas], "o-", label="relay τ")
         ax.axhline(final["native_tau"], ls="--", color="gray", label="native τ")
-        ax.axvline(final["repair_margin"], ls=":", color="k", label=f"chosen δ = {final['repair_margin']:g}")
+        chosen = result.method_metrics.get("repair_margin")
+        if chosen is not None:
+            ax.axvline(chosen, ls=":", color="k", label=f"chosen δ = {chosen:g}")
         ax.set(xlabel="δ (repair margin)", ylabel="held-out replay τ", title="choice of δ")
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -145,8 +147,9 @@ def train_flow(params_path: str = "params.yaml", overrides: list[str] | None = N
             **{k: v for k, v in final.items() if k.startswith(("val_", "replay_"))},
             **live,
         }
+        metrics.update(result.method_metrics)  # e.g. drelay's repair margin δ
         if result.tuned:
-            metrics["repair_margin_taus"] = {f"{m:g}": tau for m, tau in result.tuned.items()}
+            metrics["tune_taus"] = {f"{m:g}": tau for m, tau in result.tuned.items()}
         tracker.log_metrics({k: v for k, v in metrics.items() if k.startswith("live") or k.endswith("_closed")
                              or k == "ar_tokens_per_s"}, step=result.steps)
         fig = plot_joint(method, result, curve, Path(f"reports/joint_{method}.png"))

@@ -89,6 +89,7 @@ class FitResult:
     resumed_from: int  # step of the checkpoint this run continued from (0: a fresh run)
     blocks_per_s: float  # training throughput of this process (0 when nothing was left to train)
     tuned: dict[float, float]  # what `method.tune` tried ({δ: held-out replay τ} for drelay)
+    method_metrics: dict[str, float]  # the method's own numbers at the end (δ for drelay)
     history: list[dict] = field(default_factory=list)  # every evaluation, in order
 
     @property
@@ -334,7 +335,7 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
     if method_dir is not None:
         save_method(method, method_dir)
     return FitResult(method.name, step, best_step, best_val, stopped_early, resumed_from,
-                     blocks_done / train_seconds if train_seconds else 0.0, tuned, history)
+                     blocks_done / train_seconds if train_seconds else 0.0, tuned, method.eval_metrics(), history)
 
 
 def train_dflash(drafter: BlockDrafter, train: list[Sequence], val: list[Sequence], cfg: TrainConfig, *,

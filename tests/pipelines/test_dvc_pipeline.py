@@ -45,8 +45,13 @@ def _copy_repo(dest: Path) -> Path:
 def _set_params(repo: Path, updates: dict) -> None:
     params = yaml.safe_load((repo / "params.yaml").read_text())
     for dotted, value in updates.items():
-        section, key = dotted.split(".")
-        params.setdefault(section, {})[key] = value
+        *path, key = dotted.split(".")
+        node = params
+        for part in path:  # nested sections: joint.drelay.lambda_repair
+            if not isinstance(node.get(part), dict):
+                node[part] = {}
+            node = node[part]
+        node[key] = value
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
 
 
@@ -117,13 +122,13 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     dflash, drelay = (json.loads((repo / f"metrics/joint_{m}.json").read_text()) for m in ("dflash", "drelay"))
     assert dflash["steps"] == drelay["steps"] == 12 and dflash["start_native_tau"] == drelay["start_native_tau"]
     relay_config = json.loads((repo / "models/joint/drelay/relay/config.json").read_text())
-    assert relay_config["margin"] == drelay["margin"] and f"{drelay['margin']:g}" in drelay["margin_taus"]
+    assert relay_config["repair_margin"] == drelay["repair_margin"] and f"{drelay['repair_margin']:g}" in drelay["tune_taus"]
     logged = set(runs["train@drelay"][0].data.metrics)
     terms = ("loss", "ce", "support", "hinge", "reader_bce", "repair")
     assert {f"{split}_{t}" for split in ("train", "val") for t in terms} <= logged
     assert {f"replay_{stat}_pos{i}" for stat in ("accept", "pool_hit", "replace_rate", "repair_precision", "harm_rate")
             for i in (1, 2, 3)} <= logged
-    assert {"native_tau", "oracle_tau", "margin_tau_0", "margin_tau_1", "live_tau", "live_repair_share"} <= logged
+    assert {"native_tau", "oracle_tau", "tune_tau_0", "tune_tau_1", "live_tau", "live_repair_share"} <= logged
     assert drelay["live_identical_rate"] == 1.0 and runs["train@drelay"][0].data.tags["method"] == "drelay"
     for head in HEADS:  # the baselines: same start and budget, their own loss terms logged
         m = json.loads((repo / f"metrics/joint_{head}.json").read_text())
@@ -137,12 +142,13 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     assert "Running stage" not in log, log
     assert sum(len(r) for r in _runs_by_stage(uri).values()) == len(STAGES)
 
-    _set_params(repo, {"joint.lambda_repair": 0.5})  # a joint param: only the train@ stages read it
+    _set_params(repo, {"joint.drelay.lambda_repair": 0.5})  # drelay's own setting: only train@drelay reads it
     log = _dvc(repo, env, "repro")
     assert "Running stage 'train@drelay'" in log
-    assert not any(f"Running stage '{s}'" in log for s in STAGES[:4]), log
+    assert not any(f"Running stage '{s}'" in log for s in STAGES if s not in ("train@drelay", "evaluate")), log
     runs = _runs_by_stage(uri)
-    assert len(runs["train@drelay"]) == 2 and all(len(runs[s]) == 1 for s in STAGES[:4])
+    assert len(runs["train@drelay"]) == 2
+    assert all(len(runs[s]) == 1 for s in STAGES if s not in ("train@drelay", "evaluate"))  # one run each
     assert "Running stage 'evaluate'" in log and len(runs["evaluate"]) == 2  # drelay's model changed
     cells = json.loads((repo / "metrics/eval.json").read_text())
     assert cells["cells_computed"] >= 2 * 8  # at least drelay's replay cells, every temperature x benchmark
@@ -182,7 +188,7 @@ def _stage(repo: Path, env: dict, stage: str, *args: str, **kw) -> subprocess.Co
 
 
 # Params keys the error checks override, in one place (params sections are being restructured).
-JOINT_OUT_DIR, JOINT_METHODS = "joint.out_dir", "joint.methods"
+JOINT_OUT_DIR, JOINT_METHODS = "joint.common.out_dir", "joint.methods"
 
 
 def test_bad_key_and_missing_inputs_are_clear_errors(smoke_repo, env, tmp_path, monkeypatch, capsys,
@@ -224,6 +230,17 @@ def test_bad_key_and_missing_inputs_are_clear_errors(smoke_repo, env, tmp_path, 
     assert code == 2 and "eval.methods must be" in err
     code, err = stage("evaluate", "--set", f"{JOINT_METHODS}=[dflash]")
     assert code == 2 and "which joint.methods does not train" in err
+    # evaluate reads prepare_data's benchmark copies: a missing one names the file and the stage
+    joint, target = tmp_path / "joint", tmp_path / "target"
+    for method in ("dflash", "dflash2", "domino", "dspark", "drelay"):
+        (joint / method / "drafter").mkdir(parents=True)
+        (joint / method / "drafter" / "config.json").write_text("{}")
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    code, err = stage("evaluate", "--set", f"{JOINT_OUT_DIR}={joint}", "--set", f"target.path={target}",
+                      "--set", f"data.out_dir={tmp_path / 'unprepared'}")
+    assert code == 2 and str(tmp_path / "unprepared" / "benchmarks" / "gsm8k") in err
+    assert "the prepare_data stage writes it" in err and err.startswith("error: ")
 
 
 def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
