@@ -156,7 +156,7 @@ class SpeculativeDecoder:
         self.needs_logits = method is not None and method.needs_logits
         ops = kernel_ops(target.device)
         if temperature == 0:
-            self.accept = lambda drafts, logits: ops.verify(drafts, logits)
+            self.accept = ops.verify  # greedy: the verify op itself
         elif sampling_rule == "residual" and ops.fused:  # the verify kernel, fed the draws rejection_accept makes
             self.accept = self._fused_residual_accept
         else:
