@@ -150,6 +150,9 @@ class DistillConfig:
         _require(self.feature_dtype in DTYPES, "feature_dtype", f"one of {', '.join(DTYPES)}", self.feature_dtype)
 
 
+PRECISIONS = ("bfloat16", "float32")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Drafter training (train_dflash): DFlash objective on the distilled shards."""
@@ -171,8 +174,11 @@ class TrainConfig:
     live_max_new_tokens: int = 128
     out_dir: str = "models/drafter"  # the trained drafter folder
     checkpoint_dir: str = "checkpoints/train_dflash"
+    precision: str = "bfloat16"  # matmuls of training and its held-out replay (every train@ stage too):
+    # bfloat16 autocast, or float32 on CPUs without native bf16 (AVX2-only: bf16 matmuls ~6x slower, measured)
 
     def __post_init__(self) -> None:
+        _require(self.precision in PRECISIONS, "precision", " or ".join(PRECISIONS), self.precision)
         for key in ("max_steps", "blocks_per_step", "anchors_per_sequence", "eval_every", "checkpoint_every"):
             _require(getattr(self, key) >= 1, key, ">= 1", getattr(self, key))
         _require(self.lr > 0, "lr", "> 0", self.lr)
@@ -182,7 +188,7 @@ class TrainConfig:
         _require(self.live_prompts >= 0, "live_prompts", ">= 0", self.live_prompts)
 
 
-JOINT_METHODS = ("dflash", "drelay", "dflash2", "domino", "dspark")  # the methods with a joint trainer (DESIGN §1.7)
+JOINT_METHODS = ("dflash", "drelay", "drelay-lite", "dflash2", "domino", "dspark")  # the methods with a joint trainer (DESIGN §1.7)
 PREFIX_MODELS = ("gru", "attn")
 
 
@@ -219,9 +225,14 @@ class DFlashSettings:
     """dflash: the backbone continues with its own CE; it has no settings of its own."""
 
 
+OMEGA_MODES = ("reach", "block", "expected")
+
+
 @dataclass(frozen=True)
 class DRelaySettings:
-    """drelay: global reader + causal selector trained with the backbone (DESIGN §1.3-§1.6)."""
+    """drelay: global reader + causal selector trained with the backbone (DESIGN §1.3-§1.6). The
+    defaults are DRelay v2; `drelay-lite` (DRelayLiteSettings) is the same method with every v2 addition
+    off, so each addition can be measured alone (joint.drelay-lite.<key>=<v2 value>)."""
 
     lambda_support: float = 0.1  # λ_s: weight of candidate support (logit hinge + reader BCE)
     lambda_repair: float = 1.0  # λ_r: weight of the ω-weighted selector CE
@@ -233,19 +244,56 @@ class DRelaySettings:
     prefix_model: str = "gru"  # selector prefix state r_i: gru | attn (1-layer causal attention)
     residual_score: bool = True  # σ = the drafter's log-prob + learned terms (false: MLP alone, an ablation)
     bilinear_rank: int = 64  # rank of the candidate x prefix-state bilinear score term (0: off)
-    repair_margins: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0)  # δ candidates; the best held-out replay τ is kept
+    # --- v2 (DESIGN §1.3-§1.6); each is off in drelay-lite
+    token_rank: int = 64  # rank of the learned token tables T_c (reader) and T_in (prefix), zero-initialised (0: off)
+    lattice_rank: int = 64  # rank of the transition lattice <P[prev] ⊙ W_h h_i, S[c]> inside σ (0: off)
+    lattice_messages: bool = True  # forward/backward lattice messages as reader inputs (needs lattice_rank > 0)
+    anchor_token: bool = True  # the anchor is a reader token (its reader feature feeds the prefix state)
+    calibrate: bool = True  # σ in float32 with a per-position scale on s and bias on the native
+    coadapt: bool = True  # s inside σ keeps its gradient: the repair loss shapes the backbone
+    ce_weight_final: float = 1.0  # the CE weight falls linearly from 1 to this over training
+    hinge_position_weighted: bool = True  # the support hinge weighted exp(-(i-1)/γ) like the CE
+    omega: str = "reach"  # ω: reach (x reachability, renormalised per block over the reachable positions) |
+    # block (renormalised per block) | expected (x reachability, no renormalisation: collapses, see relay_loss.py)
+    repair_weight: float = 1.0  # weight of repair cases (native wrong, true token in the pool) in the repair CE;
+    # 2.0 measured worse on the joint test's phrase data (held-out selector accuracy 0.79 -> 0.46-0.61)
+    beam_width: int = 1  # inference: a beam over the block maximising the expected accepted length (1: greedy walk)
+    repair_margins: tuple[float, ...] = (-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0)  # δ candidates; the best
+    # held-out replay τ is kept
 
     def __post_init__(self) -> None:
         _require(self.reader_dim >= 1, "reader_dim", ">= 1", self.reader_dim)
         _require(self.reader_heads >= 1, "reader_heads", ">= 1", self.reader_heads)
-        for key in ("reader_layers", "bilinear_rank", "lambda_support", "lambda_repair", "hinge_margin"):
+        for key in ("reader_layers", "bilinear_rank", "lambda_support", "lambda_repair", "hinge_margin",
+                    "token_rank", "lattice_rank", "ce_weight_final", "repair_weight"):
             _require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
         _require(0 < self.eps <= 1, "eps", "in (0, 1]", self.eps)
         _require(self.reader_dim % self.reader_heads == 0, "reader_heads",
                  f"a divisor of reader_dim ({self.reader_dim})", self.reader_heads)
         _require(self.prefix_model in PREFIX_MODELS, "prefix_model", " or ".join(PREFIX_MODELS), self.prefix_model)
-        ok = _distinct(self.repair_margins) and all(m >= 0 for m in self.repair_margins)
-        _require(ok, "repair_margins", "a non-empty list of distinct values >= 0", self.repair_margins)
+        _require(self.omega in OMEGA_MODES, "omega", " or ".join(OMEGA_MODES), self.omega)
+        _require(1 <= self.beam_width <= 8, "beam_width", "in [1, 8]", self.beam_width)
+        _require(not self.lattice_messages or self.lattice_rank > 0, "lattice_messages",
+                 "false when lattice_rank is 0 (the messages run over the lattice)", self.lattice_messages)
+        _require(_distinct(self.repair_margins), "repair_margins", "a non-empty list of distinct values",
+                 self.repair_margins)
+
+
+@dataclass(frozen=True)
+class DRelayLiteSettings(DRelaySettings):
+    """drelay-lite: the paper-literal DRelay (frozen embedding only, no token tables, no lattice, δ >= 0,
+    detached s, ω renormalised per block): the baseline every v2 addition is measured against."""
+
+    token_rank: int = 0
+    lattice_rank: int = 0
+    lattice_messages: bool = False
+    anchor_token: bool = False
+    calibrate: bool = False
+    coadapt: bool = False
+    hinge_position_weighted: bool = False
+    omega: str = "block"
+    repair_weight: float = 1.0
+    repair_margins: tuple[float, ...] = (0.0, 0.5, 1.0, 2.0, 4.0)
 
 
 @dataclass(frozen=True)
@@ -294,6 +342,7 @@ class JointConfig:
     common: JointCommon = field(default_factory=JointCommon)
     dflash: DFlashSettings = field(default_factory=DFlashSettings)
     drelay: DRelaySettings = field(default_factory=DRelaySettings)
+    drelay_lite: DRelayLiteSettings = field(default_factory=DRelayLiteSettings, metadata={"key": "drelay-lite"})
     dflash2: DFlash2Settings = field(default_factory=DFlash2Settings)
     domino: DominoSettings = field(default_factory=DominoSettings)
     dspark: DSparkSettings = field(default_factory=DSparkSettings)
@@ -306,7 +355,7 @@ class JointConfig:
         """The settings section of `method` (joint.<method>)."""
         if method not in JOINT_METHODS:
             raise ValueError(f"unknown joint method {method!r} (valid: {', '.join(JOINT_METHODS)})")
-        return getattr(self, method)
+        return getattr(self, method.replace("-", "_"))
 
 
 EVAL_METHODS = ("ar", *JOINT_METHODS, "oracle")  # ar: the target alone; oracle: the true token when in the pool
@@ -443,9 +492,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where} must be {_type_name(tp)}, got {type(value).__name__} ({value!r})")
 
 
+def field_key(f: dataclasses.Field) -> str:
+    """A field's key in params.yaml: its name, or metadata["key"] where the name cannot be one
+    (joint.drelay-lite is the field drelay_lite)."""
+    return f.metadata.get("key", f.name)
+
+
 def _build(cls: type, mapping: dict, section: str, source: str) -> Any:
     """One section's dataclass from its YAML mapping; missing keys take the field defaults."""
-    valid = [f.name for f in dataclasses.fields(cls)]
+    names = {field_key(f): f.name for f in dataclasses.fields(cls)}  # YAML key -> field
+    valid = list(names)
     for key in mapping:
         if key not in valid:
             raise ConfigError(
@@ -453,7 +509,7 @@ def _build(cls: type, mapping: dict, section: str, source: str) -> Any:
                 f"(valid keys: {', '.join(valid)}){_did_you_mean(str(key), valid)}"
             )
     hints = typing.get_type_hints(cls)
-    values = {k: _coerce(v, hints[k], f"{source}: {section}.{k}") for k, v in mapping.items()}
+    values = {names[k]: _coerce(v, hints[names[k]], f"{source}: {section}.{k}") for k, v in mapping.items()}
     try:
         return cls(**values)
     except ConfigError as e:  # a value check in __post_init__: add where it came from
@@ -532,8 +588,15 @@ def load_section(path: str | Path, name: str) -> Any:
 
 
 def to_dict(params: Any) -> dict:
-    """Params (or one section) as nested plain dicts: {"drafter": {"block_size": 8, ...}, ...}."""
-    return dataclasses.asdict(params)
+    """Params (or one section) as nested plain dicts under their params.yaml keys:
+    {"drafter": {"block_size": 8, ...}, "joint": {"drelay-lite": {...}, ...}, ...}."""
+    if dataclasses.is_dataclass(params):
+        return {field_key(f): to_dict(getattr(params, f.name)) for f in dataclasses.fields(params)}
+    if isinstance(params, (list, tuple)):
+        return type(params)(to_dict(v) for v in params)
+    if isinstance(params, dict):
+        return {k: to_dict(v) for k, v in params.items()}
+    return params
 
 
 def flatten(d: dict, prefix: str = "") -> dict:

@@ -8,7 +8,7 @@ Imports only torch and drelay.data.records: importing the spec loads no model li
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn.functional as F
@@ -79,17 +79,21 @@ def dflash_ce(logits: torch.Tensor, labels: torch.Tensor, gamma: float) -> tuple
     return (ce * weights).sum() / weights.sum().clamp(min=1e-8), ce
 
 
-def support_hinge(logits: torch.Tensor, labels: torch.Tensor, k: int, hinge_margin: float = 1.0) -> torch.Tensor:
+def support_hinge(logits: torch.Tensor, labels: torch.Tensor, k: int, hinge_margin: float = 1.0,
+                  gamma: float | None = None) -> torch.Tensor:
     """mean softplus(z_(k) - z_y + hinge_margin): z_(k) is the k-th largest logit among the competitors
-    (the label excluded), so z_y > z_(k) means y is inside the top-k pool. logits (..., V), labels (...)."""
+    (the label excluded), so z_y > z_(k) means y is inside the top-k pool. logits (..., n, V), labels
+    (..., n). gamma: the mean weighted by position, exp(-(i-1)/gamma) as the CE (None: plain mean)."""
     valid = labels != IGNORE
+    if gamma is not None:
+        valid = position_weights(labels.shape[-1], gamma, labels.device) * valid
     y = labels.clamp(min=0)[..., None]  # (..., 1)
     z = logits.float()
     z_y = z.gather(-1, y).squeeze(-1)
     competitors = z.scatter(-1, y, float("-inf"))  # (..., V) without the label
     z_k = competitors.topk(k, dim=-1).values[..., k - 1]
     loss = F.softplus(z_k - z_y + hinge_margin) * valid
-    return loss.sum() / valid.sum().clamp(min=1)
+    return loss.sum() / valid.sum().clamp(min=1 if gamma is None else 1e-8)
 
 
 def pool_index(pool_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -114,6 +118,12 @@ class SelectorWeights:
     b_out: torch.Tensor  # (1,)
     prefix_proj: torch.Tensor | None  # (R, d) bilinear prefix factor, None when R = 0
 
+    def to(self, dtype: torch.dtype) -> "SelectorWeights":
+        """The same weights in `dtype` (a calibrated selector walks in float32)."""
+        cast = {f.name: getattr(self, f.name).to(dtype) for f in fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)}
+        return replace(self, **cast)
+
 
 def keep_or_replace(sigma: torch.Tensor, repair_margin: float) -> torch.Tensor:
     """σ (b, k) -> the chosen pool index (b,): the native 0 unless the best alternative beats it by > repair_margin (δ)."""
@@ -124,19 +134,46 @@ def keep_or_replace(sigma: torch.Tensor, repair_margin: float) -> torch.Tensor:
     return j
 
 
+def lattice_messages(unary: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Forward and backward messages of the transition lattice (DESIGN §1.3) per candidate, float32.
+
+    unary (N, n, k): each candidate's own score (the drafter's log-prob); table (N, n, k, k): T[:, i, p, c]
+    = L_i(pool_{i-1,p}, pool_{i,c}), every row of position 0 the anchor's. With
+        α_0(c) = u_0(c) + T_0(·, c),  α_i(c) = u_i(c) + logsumexp_p (α_{i-1}(p) + T_i(p, c))
+        β_{n-1}(c) = 0,               β_i(c) = logsumexp_q (T_{i+1}(c, q) + u_{i+1}(q) + β_{i+1}(q))
+    returns (N, n, k, 3): α, β and α + β, each log-normalised over the k candidates of a position (the
+    lattice's filtered, backward and smoothed log-marginals), clamped at -30; float32 (float64 inputs: float64).
+    """
+    dtype = torch.float64 if unary.dtype == torch.float64 else torch.float32
+    u, t = unary.to(dtype), table.to(dtype)
+    n = u.shape[1]
+    alpha = [u[:, 0] + t[:, 0, 0]]
+    for i in range(1, n):
+        alpha.append(u[:, i] + torch.logsumexp(alpha[-1][..., :, None] + t[:, i], dim=-2))
+    beta = [torch.zeros_like(u[:, -1])]
+    for i in range(n - 2, -1, -1):
+        beta.insert(0, torch.logsumexp(t[:, i + 1] + (u[:, i + 1] + beta[0])[:, None, :], dim=-1))
+    a, b = torch.stack(alpha, 1), torch.stack(beta, 1)  # (N, n, k)
+    parts = [x - torch.logsumexp(x, -1, keepdim=True) for x in (a, b, a + b)]
+    return torch.stack(parts, -1).clamp(min=-30.0)
+
+
 def relay_select_ref(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_hidden: torch.Tensor,
                      weights: SelectorWeights, cand_factor: torch.Tensor | None = None,
-                     logprobs: torch.Tensor | None = None, repair_margin: float = 0.0):
+                     logprobs: torch.Tensor | None = None, repair_margin: float = 0.0,
+                     transition: torch.Tensor | None = None):
     """DRelay's sequential selection of one block (DESIGN §1.4), batch rows independent.
 
     start_gates (b, 3d): GRU input gates W_i x + b_i of the anchor's prefix input.
     cand_gates (b, n, k, 3d): the same for every candidate, fed to the GRU if that candidate is chosen.
     cand_hidden (b, n, k, d): the candidate half of the score MLP's first layer (bias included).
-    cand_factor (b, n, k, R): bilinear candidate factor; logprobs (b, n, k): clamped drafter log-probs
-    (added when the score is residual).  For i = 1..n, with h_0 = 0 and x_1 = the anchor's gates:
+    cand_factor (b, n, k, R): bilinear candidate factor; logprobs (b, n, k): the drafter's term (clamped
+    log-probs, calibrated or not; added when the score is residual); transition (b, n, k, k): the lattice
+    T[:, i, p, j] = L_i(pool_{i-1,p}, c_{i,j}) (position 1 reads row p = 1, the anchor's).  For i = 1..n,
+    with h_0 = 0, x_1 = the anchor's gates and j*_0 = 1:
 
         h_i = GRU(x_i, h_{i-1});  r_i = LayerNorm(h_i)
-        σ_{i,j} = w_out·GELU(cand_hidden_{i,j} + W_prefix r_i) + b_out + <c_{i,j}, P r_i>/√R + s_{i,j}
+        σ_{i,j} = w_out·GELU(cand_hidden_{i,j} + W_prefix r_i) + b_out + <c_{i,j}, P r_i>/√R + s_{i,j} + T_{i, j*_{i-1}, j}
         j*_i = argmax_{j>1} σ_{i,j} if that beats σ_{i,1} by more than `repair_margin` (δ), else 1;  x_{i+1} = cand_gates_{i,j*}
 
     Returns choice (b, n) (0-based pool index) and σ (b, n, k).
@@ -147,6 +184,7 @@ def relay_select_ref(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_h
     gi = start_gates[:, None]  # (b, 1, 3d)
     h = torch.zeros_like(gi[..., :width])  # (b, 1, d)
     choices, scores = [], []
+    j = torch.zeros(cand_hidden.shape[0], dtype=torch.long, device=cand_hidden.device)
     for i in range(n):
         i_r, i_z, i_n = gi.chunk(3, -1)
         h_r, h_z, h_n = F.linear(h, w.w_hh, w.b_hh).chunk(3, -1)
@@ -160,6 +198,8 @@ def relay_select_ref(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_h
             sigma = sigma + (cand_factor[:, i: i + 1] * F.linear(r, w.prefix_proj)[:, :, None]).sum(-1) / rank ** 0.5
         if logprobs is not None:
             sigma = sigma + logprobs[:, i: i + 1]
+        if transition is not None:
+            sigma = sigma + transition[:, i].gather(1, j[:, None, None].expand(-1, 1, transition.shape[-1]))
         sigma = sigma[:, 0]  # (b, k)
         j = keep_or_replace(sigma, repair_margin)
         choices.append(j)
@@ -204,12 +244,13 @@ def lm_head_topk_ref(hidden: torch.Tensor, weight: torch.Tensor, k: int):
 
 # ------------------------------------------------------------------------------- support_loss
 def support_loss_ref(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, k: int, gamma: float,
-                     hinge_margin: float = 1.0):
+                     hinge_margin: float = 1.0, hinge_gamma: float | None = None):
     """Training's vocabulary-sized terms from the (normed) hidden states: hidden (..., n, H), the LM
     head's weight (V, H), labels (..., n) -> `dflash_ce` (position-weighted mean CE), `support_hinge`
-    (mean softplus(z_(k) - z_y + hinge_margin)) and the detached candidate pool (..., n, k) of the same logits."""
+    (mean softplus(z_(k) - z_y + hinge_margin), weighted by position with hinge_gamma) and the detached
+    candidate pool (..., n, k) of the same logits."""
     logits = F.linear(hidden, weight)  # (..., n, V)
     ce, _ = dflash_ce(logits, labels, gamma)
-    hinge = support_hinge(logits, labels, k, hinge_margin)
+    hinge = support_hinge(logits, labels, k, hinge_margin, hinge_gamma)
     pool_ids, pool_logprobs = candidate_pool(logits.detach(), k)
     return ce, hinge, pool_ids, pool_logprobs

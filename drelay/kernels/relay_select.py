@@ -25,13 +25,13 @@ def _matvec(w, rows, row_ok, cols, col_ok, ld, x, ACC: tl.constexpr):
 
 
 @triton.jit
-def _relay_select_kernel(start_gates, cand_gates, cand_hidden, cand_factor, logprobs,
+def _relay_select_kernel(start_gates, cand_gates, cand_hidden, cand_factor, logprobs, transition,
                          w_hh, b_hh, norm_w, norm_b, w_prefix, w_out, b_out, prefix_proj,
                          state, choice_out, sigma_out,
                          n, k, d, rank, repair_margin, eps, bilinear_scale,
                          BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_ROWS: tl.constexpr,
                          BLOCK_RANK: tl.constexpr, HAS_BILINEAR: tl.constexpr, HAS_LOGPROBS: tl.constexpr,
-                         ACC: tl.constexpr):
+                         HAS_TRANSITION: tl.constexpr, ACC: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK_D)
     col_ok = cols < d
@@ -41,6 +41,7 @@ def _relay_select_kernel(start_gates, cand_gates, cand_hidden, cand_factor, logp
     tl.store(scratch + cols, tl.zeros([BLOCK_D], ACC))  # h_0 = 0 in slot 0
     tl.debug_barrier()
     gates = start_gates + row * 3 * d  # input gates of the token fed next (the anchor first)
+    j = tl.zeros([], tl.int64)  # the previous choice (the anchor's lattice row at the first position)
     for i in range(n):
         old = scratch + (i % 2) * BLOCK_D
         new = scratch + ((i + 1) % 2) * BLOCK_D
@@ -87,6 +88,8 @@ def _relay_select_kernel(start_gates, cand_gates, cand_hidden, cand_factor, logp
             sigma += tl.sum(c * q[None, :], axis=1) * bilinear_scale
         if HAS_LOGPROBS:
             sigma += tl.load(logprobs + first + cands, mask=cand_ok, other=0.0).to(ACC)
+        if HAS_TRANSITION:  # the lattice row of the previous choice: T[row, i, j*_{i-1}, :]
+            sigma += tl.load(transition + (first + j) * k + cands, mask=cand_ok, other=0.0).to(ACC)
         tl.store(sigma_out + first + cands, sigma, mask=cand_ok)
         # keep the native (j = 0) unless the best alternative beats it by more than the repair margin δ
         alternatives = tl.where(cand_ok & (cands > 0), sigma, float("-inf"))
@@ -99,7 +102,8 @@ def _relay_select_kernel(start_gates, cand_gates, cand_hidden, cand_factor, logp
 
 def relay_select(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_hidden: torch.Tensor,
                  weights: SelectorWeights, cand_factor: torch.Tensor | None = None,
-                 logprobs: torch.Tensor | None = None, repair_margin: float = 0.0):
+                 logprobs: torch.Tensor | None = None, repair_margin: float = 0.0,
+                 transition: torch.Tensor | None = None):
     """Triton `relay_select_ref`: choice (b, n) int64 and σ (b, n, k)."""
     check("cand_hidden", cand_hidden, (None, None, None, None))
     b, n, k, d = cand_hidden.shape
@@ -120,6 +124,8 @@ def relay_select(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_hidde
         check("weights.prefix_proj", weights.prefix_proj, (rank, d), dtype, device)
     if logprobs is not None:
         check("logprobs", logprobs, (b, n, k), dtype, device)
+    if transition is not None:
+        check("transition", transition, (b, n, k, k), dtype, device)
     block_d = pow2(d)
     choice = torch.empty(b, n, dtype=torch.long, device=device)
     sigma = torch.empty(b, n, k, dtype=dtype, device=device)
@@ -133,13 +139,15 @@ def relay_select(start_gates: torch.Tensor, cand_gates: torch.Tensor, cand_hidde
         start_gates.contiguous(), cand_gates.contiguous(), cand_hidden.contiguous(),
         dummy if cand_factor is None else cand_factor.contiguous(),
         dummy if logprobs is None else logprobs.contiguous(),
+        dummy if transition is None else transition.contiguous(),
         weights.w_hh.contiguous(), weights.b_hh.contiguous(), weights.norm_weight.contiguous(),
         weights.norm_bias.contiguous(), weights.w_prefix.contiguous(), weights.w_out.contiguous(),
         weights.b_out.contiguous(), dummy if weights.prefix_proj is None else weights.prefix_proj.contiguous(),
         scratch, choice, sigma, n, k, d, rank, float(repair_margin), float(weights.norm_eps),
         1.0 / rank ** 0.5 if rank else 0.0,
         BLOCK_D=block_d, BLOCK_K=pow2(k), BLOCK_ROWS=rows, BLOCK_RANK=pow2(rank),
-        HAS_BILINEAR=rank > 0, HAS_LOGPROBS=logprobs is not None, ACC=compute_dtype(dtype),
+        HAS_BILINEAR=rank > 0, HAS_LOGPROBS=logprobs is not None, HAS_TRANSITION=transition is not None,
+        ACC=compute_dtype(dtype),
         num_warps=4,
     )
     return choice, sigma

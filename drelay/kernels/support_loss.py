@@ -49,7 +49,7 @@ class _SupportLoss(torch.autograd.Function):
     """(N, H) rows: ce, hinge (scalars, differentiable in hidden and weight), pool_ids, pool_logprobs."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, row_weights, k: int, hinge_margin: float, chunk: int):
+    def forward(ctx, hidden, weight, labels, row_weights, hinge_weights, k: int, hinge_margin: float, chunk: int):
         vals, ids, lse = lm_head_topk_logits(hidden, weight, k + 1)  # (N, k+1) sorted, (N,)
         valid = labels != IGNORE
         y = labels.clamp(min=0)
@@ -58,11 +58,12 @@ class _SupportLoss(torch.autograd.Function):
         col = torch.where((ids[:, :k] == y[:, None]).any(-1), k, k - 1)[:, None]
         z_rival, rival = vals.gather(1, col).squeeze(1), ids.gather(1, col).squeeze(1)
         w = row_weights * valid
-        w_sum, count = w.sum().clamp(min=1e-8), valid.sum().clamp(min=1)
+        hw = hinge_weights * valid
+        w_sum, hw_sum = w.sum().clamp(min=1e-8), hw.sum().clamp(min=1e-8)
         ce = ((lse - z_y) * w).sum() / w_sum
         gap = z_rival - z_y + hinge_margin
-        hinge = (F.softplus(gap) * valid).sum() / count
-        ctx.save_for_backward(hidden, weight, y, rival, lse, w / w_sum, torch.sigmoid(gap) * valid / count)
+        hinge = (F.softplus(gap) * hw).sum() / hw_sum
+        ctx.save_for_backward(hidden, weight, y, rival, lse, w / w_sum, torch.sigmoid(gap) * hw / hw_sum)
         ctx.chunk = chunk
         pool_ids, pool_logprobs = ids[:, :k], vals[:, :k] - lse[:, None]
         ctx.mark_non_differentiable(pool_ids, pool_logprobs)
@@ -91,11 +92,11 @@ class _SupportLoss(torch.autograd.Function):
                 grad_x += z @ w_chunk.float()
             if want_w:
                 grad_w[v0: v0 + ctx.chunk] = (z.T @ hidden.float()).to(weight.dtype)
-        return (grad_x.to(hidden.dtype) if want_x else None), grad_w, None, None, None, None, None
+        return (grad_x.to(hidden.dtype) if want_x else None), grad_w, None, None, None, None, None, None
 
 
 def support_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, k: int, gamma: float,
-                 hinge_margin: float = 1.0, chunk_size: int | None = None):
+                 hinge_margin: float = 1.0, hinge_gamma: float | None = None, chunk_size: int | None = None):
     """Triton `support_loss_ref`: ce, hinge (scalars), pool_ids (..., n, k) int64, pool_logprobs (..., n, k).
 
     chunk_size: vocabulary columns per backward step (default 8192 on CUDA: N x 8192 fp32 logits)."""
@@ -108,7 +109,10 @@ def support_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     chunk = chunk_size or (256 if interpreting() else CUDA_CHUNK)
     n = labels.shape[-1]
     row_weights = position_weights(n, gamma, labels.device).expand(labels.shape).reshape(-1)
+    hinge_weights = (torch.ones_like(row_weights) if hinge_gamma is None
+                     else position_weights(n, hinge_gamma, labels.device).expand(labels.shape).reshape(-1))
     ce, hinge, pool_ids, pool_logprobs = _SupportLoss.apply(hidden.reshape(-1, hidden.shape[-1]), weight,
-                                                            labels.reshape(-1), row_weights, k, hinge_margin, chunk)
+                                                            labels.reshape(-1), row_weights, hinge_weights, k,
+                                                            hinge_margin, chunk)
     lead = labels.shape
     return ce, hinge, pool_ids.view(*lead, k), pool_logprobs.view(*lead, k)

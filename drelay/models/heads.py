@@ -30,7 +30,7 @@ from torch import nn
 from drelay.data.records import IGNORE
 from drelay.kernels.reference import candidate_pool, dflash_ce, pool_index, position_weights
 from drelay.models.folder import EmbeddingBoundFolder, SharedEmbedding
-from drelay.models.repair import DraftBlock, RepairMethod, bf16_autocast
+from drelay.models.repair import DraftBlock, RepairMethod
 
 if TYPE_CHECKING:
     from drelay.models.drafter import BlockDrafter
@@ -147,9 +147,8 @@ class RepairHead(EmbeddingBoundFolder, RepairMethod):
         return cls.for_drafter(drafter, pool_size=pool_size, **dataclasses.asdict(settings))
 
     def joint_loss(self, drafter, hidden, labels, anchor_ids, *, gamma, progress):
-        with bf16_autocast(hidden):
-            return self.training_loss(hidden, drafter.logits(hidden), labels, anchor_ids, gamma=gamma,
-                                      progress=progress)
+        return self.training_loss(hidden, drafter.logits(hidden), labels, anchor_ids, gamma=gamma,
+                                  progress=progress)
 
     def attach(self, embed_tokens: nn.Module) -> "RepairHead":
         shape, cfg = tuple(embed_tokens.weight.shape), self.config

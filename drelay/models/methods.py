@@ -15,11 +15,11 @@ from torch import nn
 
 from drelay.models.drafter import BlockDrafter
 from drelay.models.heads import HEADS
-from drelay.models.relay import DRelay
+from drelay.models.relay import DRelay, DRelayLite
 from drelay.models.repair import Native, Oracle, RepairMethod
 from drelay.models.target import Target
 
-METHODS: dict[str, type[RepairMethod]] = {cls.name: cls for cls in (Native, DRelay, *HEADS.values(), Oracle)}
+METHODS: dict[str, type[RepairMethod]] = {cls.name: cls for cls in (Native, DRelay, DRelayLite, *HEADS.values(), Oracle)}
 TRAINABLE = tuple(name for name, cls in METHODS.items() if cls.trainable)
 DRAFTER_FOLDER = "drafter"  # <joint.out_dir>/<name>/drafter: every trained method's backbone
 

@@ -2,21 +2,23 @@
 repairs the drafter's native choices left to right (DESIGN §1.2-§1.4).
 
     pool     : c_{i,1..k}, s_{i,1..k} = top-k of log_softmax(z_i)            (c_{i,1} = native)
-    reader   : u_{i,j} = A·E(c_{i,j}) + Bh·h_i + f(s_{i,j}) + pos_i + rank_j
-               -> R pre-norm encoder layers, FULL attention over the (B-1)*k candidates -> g_{i,j}
-    selector : r_i = GRU(proj(E(ŷ_m)) + g_{m,chosen} for m < i), ŷ_0 = anchor
-               σ_{i,j} = s_{i,j} + MLP([g_{i,j}; r_i]) + <P g_{i,j}, Q r_i>;
-               replace the native only if max_{j>1} σ_{i,j} - σ_{i,1} > δ (the repair margin)
+    lattice  : L_i(p, c) = <P[p] ⊙ W_h h_i, S[c]>, a k x k table per position over the pools (the
+               anchor is position 0); forward/backward messages over it per candidate
+    reader   : u_{i,j} = A·E(c_{i,j}) + T_c[c_{i,j}] + Bh·h_i + f(s_{i,j}) + pos_i + rank_j + msg_{i,j},
+               plus one token for the anchor -> R pre-norm encoder layers, FULL attention -> g_{i,j}
+    selector : r_i = GRU(proj(E(ŷ_m)) + T_in[ŷ_m] + g_{m,chosen} for m < i), ŷ_0 = anchor
+               σ_{i,j} = a_i·s_{i,j} + b_i·[j = 1] + L_i(ŷ_{i-1}, c_{i,j}) + MLP([g_{i,j}; r_i]) + <P' g_{i,j}, Q' r_i>
+               (float32); replace the native only if max_{j>1} σ_{i,j} - σ_{i,1} > δ (the repair margin)
 
-The score is a residual on the drafter's own log-prob (its last layer starts at zero), so an untrained
-selector ranks exactly like the drafter and keeps every native choice; training learns the corrections.
-The low-rank bilinear term lets a candidate and the chosen prefix interact directly (rank `bilinear_rank`,
-0: off), which is easier to learn than through the MLP alone.
-`residual: false` gives the plain σ = MLP([g; r]) (an ablation).
+Every v2 part (token tables, lattice, messages, anchor token, calibration) is a config switch, off in
+`drelay-lite` (the paper-literal version: σ = s + MLP + bilinear). Each part that adds to σ starts at
+zero (S, the token tables, the MLP's last layer, Q'; a_i = 1, b_i = 0), so an untrained selector ranks
+exactly like the drafter and keeps every native choice; training learns the corrections.
 
 `score` runs the selector teacher-forced on the true tokens (training, all positions at once);
-`select` runs it sequentially on its own choices (inference, the engine's repair hook); `joint_loss`
-is the method's whole joint objective (drelay/models/repair.py has the interface).
+`select` runs it sequentially on its own choices (inference, the engine's repair hook; a beam over
+the block is an option); `joint_loss` is the method's whole joint objective (drelay/models/repair.py
+has the interface).
 """
 
 from __future__ import annotations
@@ -30,16 +32,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from drelay.kernels.ops import Ops, REFERENCE, kernel_ops
-from drelay.kernels.reference import SelectorWeights, candidate_pool, keep_or_replace
+from drelay.kernels.reference import (SelectorWeights, candidate_pool, dflash_ce, keep_or_replace, lattice_messages,
+                                      support_hinge)
 from drelay.models.folder import EmbeddingBoundFolder, SharedEmbedding
-from drelay.models.relay_loss import drelay_loss, drelay_loss_from_terms
-from drelay.models.repair import DraftBlock, RepairMethod, Score, bf16_autocast
+from drelay.models.relay_loss import drelay_loss_from_terms
+from drelay.models.repair import DraftBlock, RepairMethod, Score
 
 if TYPE_CHECKING:
-    from drelay.config import DRelaySettings
+    from drelay.config import DRelayLiteSettings, DRelaySettings
     from drelay.models.drafter import BlockDrafter
 
 MIN_LOGPROB = -30.0  # pool log-probs are clamped here before f(s): lower all means "never"
+
+
+def wide(x: torch.Tensor) -> torch.Tensor:
+    """At least float32 (a calibrated σ; float64 stays float64)."""
+    return x if x.dtype == torch.float64 else x.float()
 
 
 class RelayError(RuntimeError):
@@ -55,22 +63,74 @@ class RelayConfig:
     reader_heads: int = 4
     pool_size: int = 8  # k candidates per position (rank embeddings for k)
     prefix_model: str = "gru"  # r_i: "gru", or "attn" (1-layer causal attention)
-    repair_margin: float = 0.0  # δ >= 0: a replacement must beat the native's score by more than this
+    repair_margin: float = 0.0  # δ: a replacement must beat the native's score by more than this (may be < 0)
     residual: bool = True  # σ = s (the drafter's log-prob) + MLP: starts as the native ranking
     bilinear_rank: int = 64  # rank of the candidate x prefix-state bilinear score term (0: none)
     dropout: float = 0.0
+    # v2 parts (DESIGN §1.3-§1.4); the defaults are drelay-lite, so relays saved before v2 load as they were
+    vocab_size: int = 0  # V: rows of the token tables and the lattice (needed when either is on)
+    token_rank: int = 0  # learned token tables T_c (reader) and T_in (prefix) of rank token_rank (0: none)
+    lattice_rank: int = 0  # transition lattice P, S (V x r), W_h (H -> r) inside σ (0: none)
+    lattice_messages: bool = False  # forward/backward lattice messages as reader inputs
+    anchor_token: bool = False  # the anchor as a reader token
+    calibrate: bool = False  # σ in float32, per-position scale a_i on s and bias b_i on the native
+    beam_width: int = 1  # select: a beam of this width over the block (1: the greedy walk)
 
     renamed_keys = {"margin": "repair_margin"}  # config.json keys of relays saved before a rename
 
     def __post_init__(self):
         if self.prefix_model not in ("gru", "attn"):
             raise ValueError(f"prefix_model must be 'gru' or 'attn', got {self.prefix_model!r}")
-        if self.repair_margin < 0:
-            raise ValueError(f"repair_margin (δ) must be >= 0, got {self.repair_margin}")
         if self.block_size < 2 or self.pool_size < 1 or self.reader_dim % self.reader_heads:
             raise ValueError(f"need block_size >= 2, pool_size >= 1 and reader_dim divisible by "
                              f"reader_heads, got {self.block_size}, {self.pool_size}, "
                              f"{self.reader_dim}/{self.reader_heads}")
+        if (self.token_rank or self.lattice_rank) and self.vocab_size < 1:
+            raise ValueError("token tables and the lattice need vocab_size >= 1")
+        if self.lattice_messages and not self.lattice_rank:
+            raise ValueError("lattice_messages needs lattice_rank >= 1")
+        if self.beam_width < 1:
+            raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+
+
+class TokenTable(nn.Module):
+    """A learned token table of rank r (V x r, zero-initialised, then r -> d): token identity in a space of
+    its own, not only through the frozen target embedding the drafter's logits come from."""
+
+    def __init__(self, vocab_size: int, rank: int, dim: int):
+        super().__init__()
+        self.table = nn.Embedding(vocab_size, rank)
+        nn.init.zeros_(self.table.weight)  # an untrained table adds nothing
+        self.proj = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.proj(self.table(ids))
+
+
+class Lattice(nn.Module):
+    """L_i(p, c) = <P[p] ⊙ W_h h_i, S[c]>: how well candidate c at position i follows token p at i-1
+    (DFlash2's selector signal). S starts at zero (no term); P ~ N(0, 1) as in our DFlash2, so S's first
+    gradients are not vanishingly small."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+        super().__init__()
+        self.predecessor = nn.Parameter(torch.randn(vocab_size, rank))  # P
+        self.successor = nn.Parameter(torch.zeros(vocab_size, rank))  # S
+        self.hidden_proj = nn.Linear(hidden_size, rank, bias=False)  # W_h
+        self.scale = rank ** -0.5  # a sum of r terms: the score stays O(1) as r grows (as the bilinear term)
+
+    def forced(self, prev_ids: torch.Tensor, hidden: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced: predecessors (N, n), hidden (N, n, H), candidates (N, n, k) -> L (N, n, k), >= float32."""
+        query = self.predecessor[prev_ids] * self.hidden_proj(hidden)  # (N, n, r)
+        return wide(torch.einsum("nir,nikr->nik", query, self.successor[cand_ids])) * self.scale
+
+    def table(self, anchor_ids: torch.Tensor, pool_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """Over the pools: anchor (N,), pool_ids (N, n, k), hidden (N, n, H) -> T (N, n, k, k) (>= float32) with
+        T[:, i, p, c] = L_i(pool_{i-1, p}, pool_{i, c}); at i = 0 every row p is the anchor's."""
+        N, n, k = pool_ids.shape
+        prev = torch.cat([anchor_ids.reshape(N, 1, 1).expand(N, 1, k), pool_ids[:, : n - 1]], dim=1)  # (N, n, k)
+        query = self.predecessor[prev] * self.hidden_proj(hidden)[:, :, None]  # (N, n, k, r)
+        return wide(torch.einsum("nipr,nijr->nipj", query, self.successor[pool_ids])) * self.scale
 
 
 class EncoderLayer(nn.Module):
@@ -93,7 +153,8 @@ class EncoderLayer(nn.Module):
 
 
 class GlobalReader(nn.Module):
-    """One token per candidate, full attention over the block: "York" at 3 can vouch for "New" at 2."""
+    """One token per candidate (and one for the anchor), full attention over the block: "York" at 3 can
+    vouch for "New" at 2."""
 
     def __init__(self, cfg: RelayConfig):
         super().__init__()
@@ -103,29 +164,49 @@ class GlobalReader(nn.Module):
         self.f = nn.Sequential(nn.Linear(1, d), nn.GELU(), nn.Linear(d, d))  # log-prob s -> d_r
         self.pos = nn.Parameter(torch.randn(cfg.block_size - 1, d) * 0.02)
         self.rank = nn.Parameter(torch.randn(cfg.pool_size, d) * 0.02)
+        self.tokens = TokenTable(cfg.vocab_size, cfg.token_rank, d) if cfg.token_rank else None  # T_c
+        self.messages = (nn.Sequential(nn.Linear(3, d), nn.GELU(), nn.Linear(d, d))  # lattice messages -> d_r
+                         if cfg.lattice_messages else None)
+        self.anchor_pos = nn.Parameter(torch.randn(d) * 0.02) if cfg.anchor_token else None
         self.layers = nn.ModuleList(EncoderLayer(d, cfg.reader_heads, cfg.dropout) for _ in range(cfg.reader_layers))
         self.norm = nn.LayerNorm(d)
         self.support_head = nn.Linear(d, 1)  # "c_{i,j} is the correct token at i"
 
-    def forward(self, cand_embeds: torch.Tensor, hidden: torch.Tensor, pool_logprobs: torch.Tensor):
-        """cand_embeds (N, n, k, H), hidden (N, n, H), pool_logprobs (N, n, k) -> g (N, n, k, d), support (N, n, k)."""
+    def token_input(self, embeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """A·E(c) [+ T_c[c]] for tokens `ids` (...) with frozen embeddings (..., H) -> (..., d)."""
+        x = self.A(embeds)
+        return x if self.tokens is None else x + self.tokens(ids)
+
+    def forward(self, cand_embeds: torch.Tensor, pool_ids: torch.Tensor, hidden: torch.Tensor,
+                pool_logprobs: torch.Tensor, messages: torch.Tensor | None = None,
+                anchor: torch.Tensor | None = None):
+        """cand_embeds (N, n, k, H), pool_ids (N, n, k), hidden (N, n, H), pool_logprobs (N, n, k), messages
+        (N, n, k, 3) | None, anchor input (N, d) | None -> g (N, n, k, d), support (N, n, k), g_anchor (N, d) | None."""
         N, n, k, _ = cand_embeds.shape
         s = pool_logprobs.clamp(min=MIN_LOGPROB)[..., None]  # (N, n, k, 1)
-        u = self.A(cand_embeds) + self.Bh(hidden)[:, :, None] + self.f(s) + self.pos[:n, None] + self.rank[:k]
+        u = self.token_input(cand_embeds, pool_ids) + self.Bh(hidden)[:, :, None] + self.f(s) \
+            + self.pos[:n, None] + self.rank[:k]
+        if self.messages is not None:
+            u = u + self.messages(messages.to(u.dtype))
         x = u.view(N, n * k, -1)  # (N, n*k, d): every candidate of the block is one token
+        if anchor is not None:
+            x = torch.cat([(anchor + self.anchor_pos)[:, None].to(x.dtype), x], dim=1)
         for layer in self.layers:
             x = layer(x)
-        g = self.norm(x).view(N, n, k, -1)  # (N, n, k, d)
-        return g, self.support_head(g).squeeze(-1)
+        x = self.norm(x)
+        g_anchor, x = (x[:, 0], x[:, 1:]) if anchor is not None else (None, x)
+        g = x.reshape(N, n, k, -1)  # (N, n, k, d)
+        return g, self.support_head(g).squeeze(-1), g_anchor
 
 
 class CausalSelector(nn.Module):
-    """Prefix state r_i over the selected tokens ŷ_0..ŷ_{i-1}, and scores σ_{i,j} = MLP([g_{i,j}; r_i])."""
+    """Prefix state r_i over the selected tokens ŷ_0..ŷ_{i-1}, and scores σ_{i,j} (see the module docstring)."""
 
     def __init__(self, cfg: RelayConfig):
         super().__init__()
         d = cfg.reader_dim
         self.embed_proj = nn.Linear(cfg.hidden_size, d, bias=False)
+        self.tokens = TokenTable(cfg.vocab_size, cfg.token_rank, d) if cfg.token_rank else None  # T_in
         self.no_feature = nn.Parameter(torch.randn(d) * 0.02)  # the anchor, or a true token outside the pool
         self.kind = cfg.prefix_model
         self.prefix = (nn.GRU(d, d, batch_first=True) if self.kind == "gru"
@@ -134,6 +215,10 @@ class CausalSelector(nn.Module):
         self.score_mlp = nn.Sequential(nn.Linear(2 * d, d), nn.GELU(), nn.Linear(d, 1))
         self.residual = cfg.residual
         self.bilinear_rank = cfg.bilinear_rank
+        self.calibrate = cfg.calibrate
+        if self.calibrate:  # σ's s term: a_i·s_{i,j} + b_i·[j = 1], per position (a = 1, b = 0: the plain s)
+            self.scale = nn.Parameter(torch.ones(cfg.block_size - 1))
+            self.native_bias = nn.Parameter(torch.zeros(cfg.block_size - 1))
         if self.bilinear_rank:
             self.cand_proj = nn.Linear(d, cfg.bilinear_rank, bias=False)
             self.prefix_proj = nn.Linear(d, cfg.bilinear_rank, bias=False)
@@ -143,10 +228,15 @@ class CausalSelector(nn.Module):
             if self.bilinear_rank:
                 nn.init.zeros_(self.prefix_proj.weight)
 
-    def prefix_inputs(self, token_embeds, feature=None, has_feature=None) -> torch.Tensor:
-        """token_embeds (N, t, H), the chosen candidates' g (N, t, d) where has_feature (N, t) -> (N, t, d)."""
-        feat = self.no_feature if feature is None else torch.where(has_feature[..., None], feature, self.no_feature)
-        return self.embed_proj(token_embeds) + feat
+    def prefix_inputs(self, token_embeds, token_ids, feature=None, has_feature=None) -> torch.Tensor:
+        """Tokens `token_ids` (N, t) with frozen embeddings (N, t, H), the chosen candidates' g (N, t, d)
+        where has_feature (N, t) -> (N, t, d). feature without has_feature: every position has one."""
+        if feature is None:
+            feat = self.no_feature
+        else:
+            feat = feature if has_feature is None else torch.where(has_feature[..., None], feature, self.no_feature)
+        x = self.embed_proj(token_embeds) + feat
+        return x if self.tokens is None else x + self.tokens(token_ids)
 
     def prefix_states(self, inputs: torch.Tensor, state=None):
         """Inputs of ŷ_m..ŷ_{m+t-1} (N, t, d) -> r_{m+1}..r_{m+t} (N, t, d) and the state to continue from."""
@@ -169,38 +259,56 @@ class CausalSelector(nn.Module):
                                self.prefix_norm.eps, first.weight[:, d:], last.weight, last.bias,
                                self.prefix_proj.weight if self.bilinear_rank else None)
 
-    def candidate_terms(self, g: torch.Tensor, logprobs: torch.Tensor) -> tuple:
+    def native_term(self, scores: torch.Tensor) -> torch.Tensor | None:
+        """σ's term in the drafter's own scores s (N, t, k) of positions 0..t-1: s, or a_i·s + b_i·[j = 1]
+        in float32 (calibrate); None when σ is not residual."""
+        if not self.residual:
+            return None
+        s = scores.clamp(min=MIN_LOGPROB)
+        if not self.calibrate:
+            return s
+        s, t = wide(s), s.shape[1]
+        native = torch.zeros(s.shape[-1], device=s.device, dtype=s.dtype)
+        native[0] = 1.0
+        return s * self.scale[:t, None].to(s.dtype) + self.native_bias[:t, None].to(s.dtype) * native
+
+    def candidate_terms(self, g: torch.Tensor, scores: torch.Tensor) -> tuple:
         """The parts of σ that depend on the candidates alone, computed once per block: the MLP's first
-        layer on g (N, t, k, d), the bilinear candidate factor (N, t, k, R) and the clamped log-probs."""
+        layer on g (N, t, k, d), the bilinear candidate factor (N, t, k, R) and `native_term`."""
         d = g.shape[-1]
         first = self.score_mlp[0]
         a = F.linear(g, first.weight[:, :d], first.bias)
         c = self.cand_proj(g) if self.bilinear_rank else None
-        return a, c, logprobs.clamp(min=MIN_LOGPROB).to(a.dtype)
+        native = self.native_term(scores)
+        return a, c, native if native is None or self.calibrate else native.to(a.dtype)
 
-    def score_terms(self, terms: tuple, r: torch.Tensor) -> torch.Tensor:
-        """σ (N, t, k) from `candidate_terms` and the prefix states r (N, t, d): the MLP on [g; r] is its
-        first layer split into a g part (precomputed) and an r part, so the sequential loop only pays for r."""
-        a, c, logprobs = terms
+    def score_terms(self, terms: tuple, r: torch.Tensor, lattice: torch.Tensor | None = None) -> torch.Tensor:
+        """σ (N, t, k) from `candidate_terms`, the prefix states r (N, t, d) and the lattice term (N, t, k):
+        the MLP on [g; r] is its first layer split into a g part (precomputed) and an r part, so the
+        sequential loop only pays for r. Summed in float32 when calibrated."""
+        a, c, native = terms
         first, d = self.score_mlp[0], r.shape[-1]
         h = a + F.linear(r, first.weight[:, d:])[:, :, None]  # (N, t, k, d)
         sigma = self.score_mlp[2](self.score_mlp[1](h)).squeeze(-1)
+        if self.calibrate:
+            sigma = wide(sigma)
         if self.bilinear_rank:
-            sigma = sigma + (c * self.prefix_proj(r)[:, :, None]).sum(-1) / self.bilinear_rank ** 0.5
-        return sigma + logprobs if self.residual else sigma
+            sigma = sigma + (c * self.prefix_proj(r)[:, :, None]).sum(-1).to(sigma.dtype) / self.bilinear_rank ** 0.5
+        if native is not None:
+            sigma = sigma + native
+        if lattice is not None:
+            sigma = sigma + lattice.to(sigma.dtype)
+        return sigma
 
-    def score(self, g: torch.Tensor, r: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-        """g (N, t, k, d), r (N, t, d), the candidates' log-probs (N, t, k) -> σ (N, t, k)."""
-        return self.score_terms(self.candidate_terms(g, logprobs), r)
-
-    def forward(self, g: torch.Tensor, inputs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-        """Parallel (teacher-forced): g (N, n, k, d), inputs of ŷ_0..ŷ_{n-1} (N, n, d), log-probs
-        (N, n, k) -> σ (N, n, k)."""
-        return self.score(g, self.prefix_states(inputs)[0], logprobs)
+    def forward(self, g: torch.Tensor, inputs: torch.Tensor, scores: torch.Tensor,
+                lattice: torch.Tensor | None = None) -> torch.Tensor:
+        """Parallel (teacher-forced): g (N, n, k, d), inputs of ŷ_0..ŷ_{n-1} (N, n, d), the drafter's scores
+        (N, n, k), the lattice term of the true predecessors (N, n, k) | None -> σ (N, n, k)."""
+        return self.score_terms(self.candidate_terms(g, scores), self.prefix_states(inputs)[0], lattice)
 
 
 class DRelay(EmbeddingBoundFolder, RepairMethod):
-    """Reader + selector. `score`: teacher-forced training pass; `select`: the repair hook."""
+    """Reader + selector (+ lattice). `score`: teacher-forced training pass; `select`: the repair hook."""
 
     config_cls, folder_error = RelayConfig, RelayError
     name, folder_name = "drelay", "relay"
@@ -211,6 +319,7 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         self.config = cfg
         self.reader = GlobalReader(cfg)
         self.selector = CausalSelector(cfg)
+        self.lattice = Lattice(cfg.vocab_size, cfg.hidden_size, cfg.lattice_rank) if cfg.lattice_rank else None
         self.shared: SharedEmbedding | None = None
         self.ops: Ops = REFERENCE
         self.settings: DRelaySettings | None = None  # the joint objective's settings (set by `create`)
@@ -218,16 +327,21 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
     @classmethod
     def for_drafter(cls, drafter: BlockDrafter, **kwargs) -> "DRelay":
         """A fresh relay sized for `drafter`, on its device and dtype, bound to its embedding."""
-        cfg = RelayConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.config.block_size, **kwargs)
+        embed = drafter.shared.embed_tokens
+        cfg = RelayConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.config.block_size,
+                          vocab_size=embed.weight.shape[0], **kwargs)
         w = drafter.fc.weight
-        return cls(cfg).to(device=w.device, dtype=w.dtype).attach(drafter.shared.embed_tokens)
+        return cls(cfg).to(device=w.device, dtype=w.dtype).attach(embed)
 
     @classmethod
     def _create(cls, drafter: BlockDrafter, settings: DRelaySettings, pool_size: int) -> "DRelay":
         relay = cls.for_drafter(drafter, reader_dim=settings.reader_dim, reader_layers=settings.reader_layers,
                                 reader_heads=settings.reader_heads, pool_size=pool_size,
                                 prefix_model=settings.prefix_model, residual=settings.residual_score,
-                                bilinear_rank=settings.bilinear_rank)
+                                bilinear_rank=settings.bilinear_rank, token_rank=settings.token_rank,
+                                lattice_rank=settings.lattice_rank, lattice_messages=settings.lattice_messages,
+                                anchor_token=settings.anchor_token, calibrate=settings.calibrate,
+                                beam_width=settings.beam_width)
         relay.settings = settings
         return relay
 
@@ -235,6 +349,9 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         width = embed_tokens.weight.shape[-1]
         if width != self.config.hidden_size:
             raise RelayError(f"embedding width {width} != relay hidden_size {self.config.hidden_size}")
+        rows = embed_tokens.weight.shape[0]
+        if self.config.vocab_size and rows != self.config.vocab_size:
+            raise RelayError(f"embedding of {rows} tokens != relay vocab_size {self.config.vocab_size}")
         self.shared = SharedEmbedding(embed_tokens)
         self.ops = kernel_ops(embed_tokens.weight.device)  # relay_select / support_loss, chosen once
         return self
@@ -245,34 +362,42 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
 
     # ------------------------------------------------------------------ the repair-method interface
     def joint_loss(self, drafter, hidden, labels, anchor_ids, *, gamma, progress):
-        """L = CE + λ_s·(hinge + reader BCE) + λ_r·ω-weighted repair CE (`drelay_loss`): the pool from the
-        detached logits, σ teacher-forced on the labels. The fused ops compute CE, hinge and pool without
-        the logits (they stay fp32 inside the kernel, where autocast would round them to bf16)."""
+        """L = w_ce·CE + λ_s·(hinge + reader BCE) + λ_r·ω-weighted repair CE (`drelay_loss_from_terms`): the
+        pool from the detached logits, σ teacher-forced on the labels. The fused ops compute CE, hinge and
+        pool without the logits. Co-adaptation (settings.coadapt): s inside σ keeps its gradient; the
+        log-softmax normaliser is the same for every candidate of a position, so s_{i,j} = z_{i,j} - lse_i
+        with lse_i detached has the exact gradient of every pool softmax and margin σ enters."""
         cfg = self.settings
         if cfg is None:
             raise RelayError("this relay has no training settings: make it with DRelay.create(drafter, settings, ...)")
         k = self.config.pool_size
-        with bf16_autocast(hidden):
-            if self.ops.fused:
-                normed = drafter.norm(hidden)
-                weight = drafter.shared.lm_head.weight
-                ce, hinge, pool_ids, pool_logprobs = self.ops.support_loss(
-                    normed.to(weight.dtype), weight, labels, k, gamma, cfg.hinge_margin)
-                sigma, support = self.score(hidden, pool_ids, pool_logprobs, anchor_ids, labels)
-                return drelay_loss_from_terms(ce, hinge, labels, sigma, support, pool_ids,
-                                              lambda_support=cfg.lambda_support, lambda_repair=cfg.lambda_repair,
-                                              eps=cfg.eps)
+        hinge_gamma = gamma if cfg.hinge_position_weighted else None
+        weight = drafter.shared.lm_head.weight
+        if self.ops.fused:
+            normed = drafter.norm(hidden).to(weight.dtype)
+            ce, hinge, pool_ids, pool_logprobs = self.ops.support_loss(normed, weight, labels, k, gamma,
+                                                                       cfg.hinge_margin, hinge_gamma)
+            z_pool = (normed[..., None, :] * weight[pool_ids]).sum(-1) if cfg.coadapt else None
+        else:
             logits = drafter.logits(hidden)  # (..., n, V)
+            ce, _ = dflash_ce(logits, labels, gamma)
+            hinge = support_hinge(logits, labels, k, cfg.hinge_margin, hinge_gamma)
             pool_ids, pool_logprobs = candidate_pool(logits.detach(), k)  # (..., n, k)
-            sigma, support = self.score(hidden, pool_ids, pool_logprobs, anchor_ids, labels)
-        return drelay_loss(logits, labels, sigma, support, pool_ids, gamma=gamma, lambda_support=cfg.lambda_support,
-                           lambda_repair=cfg.lambda_repair, hinge_margin=cfg.hinge_margin, eps=cfg.eps)
+            z_pool = logits.gather(-1, pool_ids) if cfg.coadapt else None
+        scores = pool_logprobs if z_pool is None else pool_logprobs + wide(z_pool - z_pool.detach())
+        sigma, support = self.score(hidden, pool_ids, pool_logprobs, anchor_ids, labels, scores=scores)
+        return drelay_loss_from_terms(ce, hinge, labels, sigma, support, pool_ids,
+                                      lambda_support=cfg.lambda_support, lambda_repair=cfg.lambda_repair, eps=cfg.eps,
+                                      ce_weight=1.0 + (cfg.ce_weight_final - 1.0) * progress,
+                                      repair_weight=cfg.repair_weight, omega=cfg.omega)
 
     def tune(self, score: Score) -> dict[float, float]:
-        """δ with the highest held-out replay τ among settings.repair_margins (ties: the smallest δ)."""
+        """δ with the highest held-out replay τ among settings.repair_margins (ties: the δ closest to 0,
+        then the larger: the fewest replacements)."""
         margins = self.settings.repair_margins if self.settings else (self.config.repair_margin,)
         taus = {float(m): score(lambda block, m=float(m): self.select(block, repair_margin=m)) for m in sorted(margins)}
-        self.config = dataclasses.replace(self.config, repair_margin=max(taus, key=lambda m: (taus[m], -m)))
+        self.config = dataclasses.replace(self.config,
+                                          repair_margin=max(taus, key=lambda m: (taus[m], -abs(m), m)))
         return taus
 
     def method_state(self) -> dict:
@@ -290,14 +415,34 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
             raise RelayError("relay has no embedding: call relay.attach(target.embed_tokens) first")
         return self.shared.embed_tokens(ids).to(self.reader.A.weight.dtype)
 
-    def read(self, hidden, pool_ids, pool_logprobs):
-        """hidden (N, n, H), pool (N, n, k) -> g (N, n, k, d), support logits (N, n, k)."""
+    def read(self, hidden, pool_ids, pool_logprobs, anchor_ids, need_table: bool = True):
+        """hidden (N, n, H), pool (N, n, k), anchor_ids (N,) -> g (N, n, k, d), support logits (N, n, k), the
+        anchor's reader feature (N, d) | None and the lattice table over the pools (N, n, k, k) | None
+        (computed when there is a lattice and the messages or `need_table` ask for it)."""
         n, k = pool_ids.shape[-2:]
         if n > self.config.block_size - 1 or k > self.config.pool_size:
             raise RelayError(f"block of {n} positions x {k} candidates exceeds the relay's "
                              f"{self.config.block_size - 1} x {self.config.pool_size}")
         dtype = self.reader.A.weight.dtype
-        return self.reader(self.embed(pool_ids), hidden.to(dtype), pool_logprobs.to(dtype))
+        hidden = hidden.to(dtype)
+        table = None
+        if self.lattice is not None and (need_table or self.reader.messages is not None):
+            table = self.lattice.table(anchor_ids, pool_ids, hidden)
+        messages = None
+        if self.reader.messages is not None:
+            messages = lattice_messages(wide(pool_logprobs.detach()).clamp(min=MIN_LOGPROB), table)
+        anchor = None
+        if self.reader.anchor_pos is not None:
+            anchor = self.reader.token_input(self.embed(anchor_ids), anchor_ids)
+        g, support, g_anchor = self.reader(self.embed(pool_ids), pool_ids, hidden, pool_logprobs.to(dtype),
+                                           messages, anchor)
+        return g, support, g_anchor, table
+
+    def anchor_input(self, anchor_ids: torch.Tensor, g_anchor: torch.Tensor | None) -> torch.Tensor:
+        """The prefix input of ŷ_0 = the anchor (N, 1, d): its reader feature when it is a reader token."""
+        ids = anchor_ids.reshape(-1, 1)
+        feature = None if g_anchor is None else g_anchor[:, None]
+        return self.selector.prefix_inputs(self.embed(ids), ids, feature)
 
     def _inputs(self, g, pool_ids, tokens):
         """Prefix inputs of tokens (N, t) sitting at the positions of g (N, t, k, d), pool_ids (N, t, k)."""
@@ -305,22 +450,31 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         match = pool_ids == tokens[..., None]  # (N, t, k)
         j = match.long().argmax(-1)  # (N, t): which candidate (0 when not in the pool)
         chosen = g.gather(2, j[..., None, None].expand(-1, -1, 1, g.shape[-1])).squeeze(2)  # (N, t, d)
-        return self.selector.prefix_inputs(self.embed(tokens), chosen, match.any(-1))
+        return self.selector.prefix_inputs(self.embed(tokens), tokens, chosen, match.any(-1))
 
-    def score(self, hidden, pool_ids, pool_logprobs, anchor_ids, prefix_ids):
+    def score(self, hidden, pool_ids, pool_logprobs, anchor_ids, prefix_ids, scores=None):
         """Teacher-forced σ and support logits (..., n, k), all positions in parallel.
 
         hidden (..., n, H); pool_ids, pool_logprobs (..., n, k); anchor_ids (...); prefix_ids (..., n):
-        the true tokens y_1..y_n (only y_1..y_{n-1} feed the prefix; negative ids are padding).
+        the true tokens y_1..y_n (only y_1..y_{n-1} feed the prefix; negative ids are padding); scores
+        (..., n, k): the drafter's s inside σ (default pool_logprobs; with gradient for co-adaptation).
         Conditioning on the true prefix is exact: position i only matters when all before it were right.
         """
         lead, (n, k) = pool_ids.shape[:-2], pool_ids.shape[-2:]
         pool_ids = pool_ids.reshape(-1, n, k)  # (N, n, k)
-        g, support = self.read(hidden.reshape(-1, n, hidden.shape[-1]), pool_ids, pool_logprobs.reshape(-1, n, k))
-        anchor = self.selector.prefix_inputs(self.embed(anchor_ids.reshape(-1, 1)))  # (N, 1, d)
+        anchor_ids = anchor_ids.reshape(-1)
+        hidden = hidden.reshape(-1, n, hidden.shape[-1])
+        g, support, g_anchor, _ = self.read(hidden, pool_ids, pool_logprobs.reshape(-1, n, k), anchor_ids,
+                                            need_table=False)
         prev = prefix_ids.reshape(-1, n)[:, : n - 1]  # (N, n-1): y_1..y_{n-1}
-        inputs = torch.cat([anchor, self._inputs(g[:, : n - 1], pool_ids[:, : n - 1], prev)], dim=1)  # (N, n, d)
-        sigma = self.selector(g, inputs, pool_logprobs.reshape(-1, n, k))
+        inputs = torch.cat([self.anchor_input(anchor_ids, g_anchor), self._inputs(g[:, : n - 1], pool_ids[:, : n - 1], prev)],
+                           dim=1)  # (N, n, d)
+        lattice = None
+        if self.lattice is not None:
+            true_prev = torch.cat([anchor_ids[:, None], prev.clamp(min=0)], dim=1)  # (N, n): y_0..y_{n-1}
+            lattice = self.lattice.forced(true_prev, hidden.to(self.reader.A.weight.dtype), pool_ids)
+        scores = pool_logprobs if scores is None else scores
+        sigma = self.selector(g, inputs, scores.reshape(-1, n, k), lattice)
         return sigma.view(*lead, n, k), support.view(*lead, n, k)
 
     @torch.no_grad()
@@ -328,43 +482,117 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
                repair_margin: float | None = None):
         """Repair one block left to right: tokens (b, n) [, σ (b, n, k)].
 
-        Keeps the native c_{i,1} unless max_{j>1} σ_{i,j} - σ_{i,1} > δ (`repair_margin`, default the config's).
+        Keeps the native c_{i,1} unless max_{j>1} σ_{i,j} - σ_{i,1} > δ (`repair_margin`, default the config's);
+        with config.beam_width > 1, the beam's best path instead (see `_beam_select`).
         prefix_ids (b, n), for tests and analysis: feed these tokens to the prefix state instead of the choices.
         """
         if repair_margin is None:
             repair_margin = self.config.repair_margin
         pool_ids = block.pool_ids
-        g, _ = self.read(block.hidden, pool_ids, block.pool_logprobs)  # (b, n, k, d)
+        g, _, g_anchor, table = self.read(block.hidden, pool_ids, block.pool_logprobs, block.anchor_ids)
         sel = self.selector
         terms = sel.candidate_terms(g, block.pool_logprobs)  # the candidate-only parts of σ, once
         # the prefix input each candidate would feed if chosen (chosen tokens are always in the pool)
-        chosen_inputs = sel.prefix_inputs(self.embed(pool_ids), g, torch.ones_like(pool_ids, dtype=torch.bool))
-        anchor = sel.prefix_inputs(self.embed(block.anchor_ids[:, None]))  # (b, 1, d)
-        if sel.kind == "gru" and prefix_ids is None:  # the whole loop in one op (one launch on CUDA)
-            cand_hidden, cand_factor, logprobs = terms
-            choice, sigma = self.ops.relay_select(sel.gru_input_gates(anchor[:, 0]), sel.gru_input_gates(chosen_inputs),
-                                   cand_hidden, sel.gru_weights(), cand_factor,
-                                   logprobs if sel.residual else None, repair_margin)
+        chosen_inputs = sel.prefix_inputs(self.embed(pool_ids), pool_ids, g)
+        anchor = self.anchor_input(block.anchor_ids, g_anchor)  # (b, 1, d)
+        if self.config.beam_width > 1 and prefix_ids is None:
+            choice, sigma = self._beam_select(terms, chosen_inputs, anchor, table, repair_margin)
+        elif sel.kind == "gru" and prefix_ids is None:  # the whole loop in one op (one launch on CUDA)
+            cand_hidden, cand_factor, native = terms
+            start, gates, weights = sel.gru_input_gates(anchor[:, 0]), sel.gru_input_gates(chosen_inputs), sel.gru_weights()
+            if sel.calibrate:  # σ in (at least) float32: the selector's small tensors upcast for the walk
+                start, gates, cand_hidden = wide(start), wide(gates), wide(cand_hidden)
+                cand_factor = None if cand_factor is None else wide(cand_factor)
+                weights = weights.to(cand_hidden.dtype)
+                native = None if native is None else native.to(cand_hidden.dtype)
+            if table is not None:
+                table = table.to(cand_hidden.dtype)
+            choice, sigma = self.ops.relay_select(start, gates, cand_hidden, weights, cand_factor, native,
+                                                  repair_margin, table)
         else:
-            choice, sigma = self._select_loop(g, terms, chosen_inputs, anchor, pool_ids, prefix_ids, repair_margin)
+            if prefix_ids is not None and self.lattice is not None:  # the lattice after the given tokens
+                true_prev = torch.cat([block.anchor_ids[:, None], prefix_ids[:, :-1].clamp(min=0)], dim=1)
+                table = self.lattice.forced(true_prev, block.hidden.to(g.dtype), pool_ids)[:, :, None]
+            choice, sigma = self._select_loop(g, terms, chosen_inputs, anchor, table, pool_ids, prefix_ids,
+                                              repair_margin)
         tokens = pool_ids.gather(-1, choice[..., None]).squeeze(-1)  # (b, n)
         return (tokens, sigma) if return_scores else tokens
 
-    def _select_loop(self, g, terms, chosen_inputs, x, pool_ids, prefix_ids, repair_margin):
+    @staticmethod
+    def _lattice_row(table: torch.Tensor | None, i: int, prev: torch.Tensor) -> torch.Tensor | None:
+        """The lattice term (b, 1, k) at position i after pool index `prev` (b,) at i-1 (any at i = 0)."""
+        if table is None:
+            return None
+        return table[:, i].gather(1, prev[:, None, None].expand(-1, 1, table.shape[-1]))
+
+    def _select_loop(self, g, terms, chosen_inputs, x, table, pool_ids, prefix_ids, repair_margin):
         """`select` step by step through the prefix model's own forward (the attention prefix model, or a
-        prefix fed `prefix_ids`): choice (b, n), σ (b, n, k)."""
+        prefix fed `prefix_ids`): choice (b, n), σ (b, n, k). table: the lattice over the pools (b, n, k, k),
+        or with `prefix_ids` the lattice after those tokens (b, n, 1, k)."""
         sel = self.selector
         n = pool_ids.shape[1]
         state, choices, scores = None, [], []
+        prev = torch.zeros(pool_ids.shape[0], dtype=torch.long, device=pool_ids.device)
         for i in range(n):
             r, state = sel.prefix_states(x, state)  # (b, 1, d)
-            sigma = sel.score_terms(tuple(t[:, i: i + 1] if t is not None else None for t in terms), r)[:, 0]  # (b, k)
+            part = tuple(t[:, i: i + 1] if t is not None else None for t in terms)
+            sigma = sel.score_terms(part, r, self._lattice_row(table, i, prev))[:, 0]  # (b, k)
             j = keep_or_replace(sigma, repair_margin)
             choices.append(j)
             scores.append(sigma)
             if i < n - 1:
                 if prefix_ids is None:  # the chosen candidate's input
                     x = chosen_inputs[:, i].gather(1, j[:, None, None].expand(-1, 1, chosen_inputs.shape[-1]))
-                else:
+                    prev = j
+                else:  # the lattice term is already the given token's: row 0 of (b, n, 1, k)
                     x = self._inputs(g[:, i: i + 1], pool_ids[:, i: i + 1], prefix_ids[:, i: i + 1])
         return torch.stack(choices, dim=1), torch.stack(scores, dim=1)
+
+    def _beam_select(self, terms, chosen_inputs, anchor, table, repair_margin):
+        """A beam of config.beam_width paths over the block, kept by their expected accepted length so far
+        Σ_{m<=i} Π_{l<=m} π_l, with π_i = softmax(σ_i + δ·[j = 1]) (the repair margin δ as the native's prior);
+        the best path at the end. Width 1 is the greedy walk. Returns choice (b, n), σ (b, n, k) of that path."""
+        sel, W = self.selector, self.config.beam_width
+        b, n, k = chosen_inputs.shape[:3]
+        rows = torch.arange(b, device=anchor.device)
+        x = anchor.repeat_interleave(W, 0)  # (b*W, 1, d)
+        state = None
+        value = torch.full((b, W), float("-inf"), device=anchor.device)
+        value[:, 0] = 0.0  # one live path at the start
+        reach = torch.ones(b, W, device=anchor.device)  # Π π along each path
+        paths = torch.zeros(b, W, 0, dtype=torch.long, device=anchor.device)
+        sigmas = torch.zeros(b, W, 0, k, device=anchor.device)
+        prev = torch.zeros(b * W, dtype=torch.long, device=anchor.device)
+        native = torch.zeros(k, device=anchor.device)
+        native[0] = repair_margin
+        for i in range(n):
+            r, state = sel.prefix_states(x, state)  # (b*W, 1, d)
+            part = tuple(t[:, i: i + 1].repeat_interleave(W, 0) if t is not None else None for t in terms)
+            rows_table = None if table is None else table.repeat_interleave(W, 0)
+            sigma = wide(sel.score_terms(part, r, self._lattice_row(rows_table, i, prev))[:, 0])  # (b*W, k)
+            pi = torch.softmax(sigma + native, -1).view(b, W, k)
+            new_reach = reach[..., None] * pi  # (b, W, k)
+            new_value = value[..., None] + new_reach  # -inf for dead paths
+            flat = new_value.view(b, W * k)
+            # ties: the lower flat index (earlier beam, then the native first)
+            top = flat.topk(W, dim=-1, sorted=True)
+            beam, j = top.indices // k, top.indices % k  # (b, W)
+            value = top.values
+            reach = new_reach.view(b, W * k).gather(1, top.indices)
+            paths = torch.cat([paths.gather(1, beam[..., None].expand(-1, -1, paths.shape[-1])), j[..., None]], -1)
+            sigma = sigma.view(b, W, k).gather(1, beam[..., None].expand(-1, -1, k))
+            sigmas = torch.cat([sigmas.gather(1, beam[..., None, None].expand(-1, -1, i, k)), sigma[:, :, None]], 2)
+            src = (rows[:, None] * W + beam).reshape(-1)  # (b*W,) the parent of each new path
+            state = state[:, src] if sel.kind == "gru" else state[src]
+            x = chosen_inputs[:, i].repeat_interleave(W, 0).gather(
+                1, j.reshape(-1)[:, None, None].expand(-1, 1, chosen_inputs.shape[-1]))
+            prev = j.reshape(-1)
+        best = value.argmax(-1)  # (b,)
+        return paths[rows, best], sigmas[rows, best]
+
+
+class DRelayLite(DRelay):
+    """drelay-lite: the paper-literal DRelay (its settings, DRelayLiteSettings, switch every v2 part off),
+    kept as a method so every v2 addition is measured against it."""
+
+    name = "drelay-lite"

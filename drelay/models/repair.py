@@ -47,11 +47,6 @@ Repair = Callable[[DraftBlock], torch.Tensor]  # DraftBlock -> draft tokens (b, 
 Score = Callable[[Repair], float]  # a repair hook -> its held-out replay τ (what `tune` maximises)
 
 
-def bf16_autocast(tensor: torch.Tensor):
-    """The mixed precision every joint loss runs its matmuls in (fp32 master weights)."""
-    return torch.autocast(tensor.device.type, dtype=torch.bfloat16)
-
-
 class RepairMethod(nn.Module):
     """The interface; see the module docstring. Subclasses set the class attributes below."""
 
@@ -88,10 +83,10 @@ class RepairMethod(nn.Module):
         """The method's whole joint loss on teacher-forced blocks and its terms (detached; "loss" and
         "ce", the plain DFlash CE of z, always among them). hidden (..., n, H): the drafter's h_i;
         labels (..., n) the true tokens (IGNORE padding); anchor_ids (...); progress in [0, 1]: the
-        share of training done (schedules). The base: the backbone's DFlash CE alone."""
-        with bf16_autocast(hidden):
-            ce, _ = dflash_ce(drafter.logits(hidden), labels, gamma)
-            return ce, {"loss": ce.detach(), "ce": ce.detach()}
+        share of training done (schedules). It runs under the caller's mixed precision (the trainer's
+        `mixed_precision`). The base: the backbone's DFlash CE alone."""
+        ce, _ = dflash_ce(drafter.logits(hidden), labels, gamma)
+        return ce, {"loss": ce.detach(), "ce": ce.detach()}
 
     @torch.no_grad()
     def select(self, block: DraftBlock) -> torch.Tensor:

@@ -63,12 +63,13 @@ class LoopSettings:
     keep_best: bool = False  # save the best held-out-loss drafter (train_dflash) instead of the last
     eval_at_start: bool = False  # evaluate before the first step (the joint methods' shared start)
     log_every: int = 10  # steps between training-loss logs (and step 1, and the last step)
+    precision: str = "bfloat16"  # bfloat16: autocast on the matmuls (fp32 master weights); float32: none
 
     @classmethod
     def for_dflash(cls, cfg: TrainConfig) -> "LoopSettings":
         return cls(cfg.max_steps, cfg.lr, cfg.warmup_steps, cfg.min_lr_ratio, cfg.weight_decay, cfg.grad_clip,
                    cfg.blocks_per_step, cfg.anchors_per_sequence, cfg.gamma, cfg.eval_every, cfg.checkpoint_every,
-                   replay_sequences=16, patience=cfg.patience, keep_best=True)
+                   replay_sequences=16, patience=cfg.patience, keep_best=True, precision=cfg.precision)
 
     @classmethod
     def for_joint(cls, joint: JointConfig, train: TrainConfig) -> "LoopSettings":
@@ -76,7 +77,7 @@ class LoopSettings:
         c = joint.common
         return cls(c.extra_steps, c.lr, c.warmup_steps, train.min_lr_ratio, train.weight_decay, train.grad_clip,
                    train.blocks_per_step, train.anchors_per_sequence, train.gamma, c.eval_every, c.checkpoint_every,
-                   c.replay_sequences, head_lr_scale=c.head_lr_scale, eval_at_start=True)
+                   c.replay_sequences, head_lr_scale=c.head_lr_scale, eval_at_start=True, precision=train.precision)
 
 
 @dataclass
@@ -109,13 +110,17 @@ def lr_at(step: int, s: LoopSettings) -> float:
     return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def mixed_precision(device: torch.device | str, precision: str):
+    """The autocast every step of the loop runs under: bf16 matmuls with fp32 master weights, or none."""
+    return torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=precision == "bfloat16")
+
+
 def block_hidden(drafter: BlockDrafter, batch: BlockBatch) -> torch.Tensor:
-    """Hidden h_i (b, nA, B-1, H) of every block in the batch, bf16 autocast on the matmuls."""
+    """Hidden h_i (b, nA, B-1, H) of every block in the batch (under the caller's `mixed_precision`)."""
     b, T = batch.tokens.shape
-    with torch.autocast(batch.features.device.type, dtype=torch.bfloat16):
-        positions = torch.arange(T, device=batch.tokens.device).expand(b, T)
-        ctx_kv = drafter.context_kv(batch.features, positions)
-        return drafter.forward_anchored(ctx_kv, batch.anchors, batch.anchor_ids, batch.labels.shape[-1] + 1)
+    positions = torch.arange(T, device=batch.tokens.device).expand(b, T)
+    ctx_kv = drafter.context_kv(batch.features, positions)
+    return drafter.forward_anchored(ctx_kv, batch.anchors, batch.anchor_ids, batch.labels.shape[-1] + 1)
 
 
 def sample_batch(train: list[Sequence], s: LoopSettings, block_size: int, rng: random.Random) -> BlockBatch:
@@ -151,10 +156,10 @@ def eval_mode(*modules: torch.nn.Module):
             m.train(mode)
 
 
-def replay_bf16(drafter: BlockDrafter, sequences: list[Sequence], pool_size: int,
-                repair: Repair | None = None) -> ReplayStats:
-    """`replay` under the same bf16 autocast as training."""
-    with torch.autocast(drafter.fc.weight.device.type, dtype=torch.bfloat16):
+def replay_as_trained(drafter: BlockDrafter, sequences: list[Sequence], pool_size: int, precision: str,
+                      repair: Repair | None = None) -> ReplayStats:
+    """`replay` under the same mixed precision as training."""
+    with mixed_precision(drafter.fc.weight.device, precision):
         return replay(drafter, sequences, pool_size=pool_size, repair=repair)
 
 
@@ -171,13 +176,14 @@ def evaluate(drafter: BlockDrafter, method: RepairMethod, val: list[Sequence], s
     with eval_mode(drafter, method):
         for start in range(0, len(val), VAL_BATCH):
             batch = make_batch(val[start: start + VAL_BATCH], s.anchors_per_sequence, B, rng).to(device)
-            hidden = block_hidden(drafter, batch)
-            _, terms = method.joint_loss(drafter, hidden, batch.labels, batch.anchor_ids, gamma=s.gamma, progress=1.0)
+            with mixed_precision(device, s.precision):
+                hidden = block_hidden(drafter, batch)
+                _, terms = method.joint_loss(drafter, hidden, batch.labels, batch.anchor_ids, gamma=s.gamma,
+                                             progress=1.0)
+                rates = hit_rates(drafter.logits(hidden), batch.labels, pool_size)
             for name, value in terms.items():
                 sums[name] = sums.get(name, 0.0) + float(value)
             batches += 1
-            with torch.autocast(device.type, dtype=torch.bfloat16):
-                rates = hit_rates(drafter.logits(hidden), batch.labels, pool_size)
             top1, topk = top1 + rates["top1"] * rates["count"], topk + rates["topk"] * rates["count"]
             count = count + rates["count"]
         out = {f"val_{name}": total / batches for name, total in sums.items()}
@@ -185,9 +191,10 @@ def evaluate(drafter: BlockDrafter, method: RepairMethod, val: list[Sequence], s
         for i, (a, k) in enumerate(zip((top1 / count).tolist(), (topk / count).tolist())):
             out[f"val_top1_pos{i + 1}"], out[f"val_topk_pos{i + 1}"] = a, k
         seqs = val[: s.replay_sequences]
-        out.update(replay_bf16(drafter, seqs, pool_size, method if method.repairs else None).summary("replay_"))
-        out["native_tau"] = replay_bf16(drafter, seqs, pool_size).tau if method.repairs else out["replay_tau"]
-        out["oracle_tau"] = replay_bf16(drafter, seqs, pool_size, Oracle()).tau
+        p = s.precision
+        out.update(replay_as_trained(drafter, seqs, pool_size, p, method if method.repairs else None).summary("replay_"))
+        out["native_tau"] = replay_as_trained(drafter, seqs, pool_size, p).tau if method.repairs else out["replay_tau"]
+        out["oracle_tau"] = replay_as_trained(drafter, seqs, pool_size, p, Oracle()).tau
         out.update(method.eval_metrics())
     return out
 
@@ -287,9 +294,10 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
     while step < s.steps:
         t_step = time.perf_counter()
         batch = sample_batch(train, s, drafter.config.block_size, rng).to(device)
-        hidden = block_hidden(drafter, batch)
-        loss, terms = method.joint_loss(drafter, hidden, batch.labels, batch.anchor_ids, gamma=s.gamma,
-                                        progress=step / s.steps)
+        with mixed_precision(device, s.precision):
+            hidden = block_hidden(drafter, batch)
+            loss, terms = method.joint_loss(drafter, hidden, batch.labels, batch.anchor_ids, gamma=s.gamma,
+                                            progress=step / s.steps)
         grad_norm = optimizer_step(optimizer, params, loss, lr_at(step, s), s.grad_clip)
         step += 1
         blocks_done += batch.anchors.numel()
@@ -304,7 +312,8 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
 
         if last:  # tuning first, so the final evaluation uses the settings that are saved
             with eval_mode(drafter, method):
-                tuned = method.tune(lambda hook: replay_bf16(drafter, val[: s.replay_sequences], pool_size, hook).tau)
+                tuned = method.tune(lambda hook: replay_as_trained(drafter, val[: s.replay_sequences], pool_size,
+                                                                   s.precision, hook).tau)
             if tuned:
                 log({f"tune_tau_{m:g}".replace("+", ""): tau for m, tau in tuned.items()}, step)  # MLflow: no "+"
         if step % s.eval_every == 0 or last:

@@ -7,14 +7,14 @@ import random
 import pytest
 import torch
 
-from drelay.config import DRelaySettings
+from drelay.config import DRelayLiteSettings, DRelaySettings
 from drelay.kernels.reference import support_loss_ref
 from drelay.kernels.support_loss import support_loss
 from drelay.models.drafter import BlockDrafter
 from drelay.models.relay import DRelay
 from drelay.data.records import IGNORE, make_batch
 from drelay.training.distill import generate_batch
-from drelay.training.trainer import block_hidden
+from drelay.training.trainer import block_hidden, mixed_precision
 from tests.conftest import make_tiny_target
 from tests.kernels.conftest import close
 
@@ -36,13 +36,14 @@ def _problem(lead, n, H, V, k, seed, device, dtype=torch.float32):
 @pytest.mark.parametrize("lead, n, H, V, k, chunk", [((2,), 5, 24, 601, 4, 200), ((2, 3), 3, 17, 150, 8, 64),
                                                     ((1,), 7, 16, 40, 1, 40)])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_forward_and_gradients_match_reference(device, lead, n, H, V, k, chunk, seed):
+@pytest.mark.parametrize("hinge_gamma", [None, 2.0])
+def test_forward_and_gradients_match_reference(device, lead, n, H, V, k, chunk, seed, hinge_gamma):
     hidden, weight, labels = _problem(lead, n, H, V, k, seed, device)
     results = []
     for impl in (support_loss, support_loss_ref):
         x, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
         kwargs = {"chunk_size": chunk} if impl is support_loss else {}
-        ce, hinge, pool_ids, pool_logprobs = impl(x, w, labels, k, 4.0, 1.0, **kwargs)
+        ce, hinge, pool_ids, pool_logprobs = impl(x, w, labels, k, 4.0, 1.0, hinge_gamma, **kwargs)
         (0.7 * ce + 1.9 * hinge).backward()
         results.append((ce, hinge, pool_ids, pool_logprobs, x.grad, w.grad))
     (ce, hinge, ids, logprobs, gx, gw), (ref_ce, ref_hinge, ref_ids, ref_logprobs, ref_gx, ref_gw) = results
@@ -77,13 +78,14 @@ def test_launcher_names_the_bad_argument(device):
         support_loss(hidden, weight, labels, 30, 4.0)
 
 
-def test_joint_drelay_loss_through_the_kernel(kernels):
-    """DRelay's joint loss: fused terms = the logits path. Under the joint loss's bf16 autocast the
-    reference rounds the logits to bf16 and the kernel keeps them fp32: bf16 tolerance there."""
+@pytest.mark.parametrize("settings", [DRelaySettings, DRelayLiteSettings])
+def test_joint_drelay_loss_through_the_kernel(kernels, settings):
+    """DRelay's joint loss (v2 and paper-literal): fused terms = the logits path. Under the trainer's bf16
+    autocast the reference rounds the logits to bf16 and the kernel keeps them fp32: bf16 tolerance there."""
     target = make_tiny_target(vocab_size=64, dtype=torch.float32, seed=2, init=0.3)
     torch.manual_seed(0)
     drafter = BlockDrafter.for_target(target, block_size=4)
-    relay = DRelay.create(drafter, DRelaySettings(reader_dim=32, reader_layers=2, reader_heads=4), pool_size=4, seed=0)
+    relay = DRelay.create(drafter, settings(reader_dim=32, reader_layers=2, reader_heads=4), pool_size=4, seed=0)
     seqs = generate_batch(target, [[1, 5, 7, 9], [1, 20, 21]], 10, set())
     batch = make_batch(seqs, 2, 4, random.Random(0))
     terms, grads = {}, {}
@@ -91,8 +93,9 @@ def test_joint_drelay_loss_through_the_kernel(kernels):
         kernels(mode)
         relay.attach(target.embed_tokens)  # the ops are chosen when the relay is attached
         drafter.zero_grad()
-        loss, terms[mode] = relay.joint_loss(drafter, block_hidden(drafter, batch), batch.labels, batch.anchor_ids,
-                                             gamma=4.0, progress=1.0)
+        with mixed_precision("cpu", "bfloat16"):
+            loss, terms[mode] = relay.joint_loss(drafter, block_hidden(drafter, batch), batch.labels,
+                                                 batch.anchor_ids, gamma=4.0, progress=1.0)
         loss.backward()
         grads[mode] = drafter.fc.weight.grad.clone()
     assert float(terms["triton"]["ce"]) != float(terms["reference"]["ce"])  # two paths: fp32 vs bf16 logits

@@ -24,20 +24,35 @@ V, H = 40, 16
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+# DRelay v2's parts (DESIGN §1.3-§1.4) on top of the paper-literal relay: every test of this module runs
+# on both where the variant is a parameter
+V2 = dict(vocab_size=V, token_rank=8, lattice_rank=8, lattice_messages=True, anchor_token=True, calibrate=True)
+VARIANTS = {"lite": {}, "v2": V2}
+
+
 def as_if_trained(relay: DRelay) -> DRelay:
-    """A residual relay starts as the drafter's own ranking (zero last layer); random weights there
-    stand in for a trained one, so its decisions depend on the reader and the prefix."""
+    """A residual relay starts as the drafter's own ranking (zero last layer, zero tables and lattice
+    successor, unit scale); random weights there stand in for a trained one, so its decisions depend on
+    the reader, the prefix and (v2) the lattice."""
     torch.manual_seed(1)
     nn.init.normal_(relay.selector.score_mlp[-1].weight, std=1.0)
     if relay.config.bilinear_rank:
         nn.init.normal_(relay.selector.prefix_proj.weight, std=0.2)
+    for table in (relay.reader.tokens, relay.selector.tokens):
+        if table is not None:
+            nn.init.normal_(table.table.weight, std=0.5)
+    if relay.lattice is not None:
+        nn.init.normal_(relay.lattice.successor, std=0.3)
+    if relay.config.calibrate:
+        nn.init.uniform_(relay.selector.scale, 0.5, 1.5)
+        nn.init.normal_(relay.selector.native_bias, std=0.3)
     return relay
 
 
-def _relay(prefix_model="gru", block_size=6, pool_size=4, trained=True, **kw) -> DRelay:
+def _relay(prefix_model="gru", block_size=6, pool_size=4, trained=True, variant="lite", **kw) -> DRelay:
     torch.manual_seed(0)
     cfg = RelayConfig(hidden_size=H, block_size=block_size, pool_size=pool_size, reader_dim=32,
-                      reader_layers=2, reader_heads=4, prefix_model=prefix_model, **kw)
+                      reader_layers=2, reader_heads=4, prefix_model=prefix_model, **VARIANTS[variant], **kw)
     embed = nn.Embedding(V, H).double().requires_grad_(False)
     relay = DRelay(cfg).double().attach(embed)
     return as_if_trained(relay) if trained else relay
@@ -75,9 +90,10 @@ def test_candidate_pool_is_sorted_top_k_of_log_softmax():
     torch.testing.assert_close(logprobs, ref)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("prefix_model", ["gru", "attn"])
-def test_parallel_score_equals_sequential_select(prefix_model):
-    relay, block = _relay(prefix_model), _block()
+def test_parallel_score_equals_sequential_select(prefix_model, variant):
+    relay, block = _relay(prefix_model, variant=variant), _block()
     labels = _true_tokens(block)
     in_pool = (block.pool_ids == labels[..., None]).any(-1)
     assert bool(in_pool.any()) and bool((~in_pool & (labels != IGNORE)).any())  # both feature paths run
@@ -124,12 +140,13 @@ def test_selector_is_causal_given_reader_features(prefix_model):
     assert not torch.allclose(changed[:, p], base[:, p])
 
 
-def test_reader_sees_the_whole_block():
-    relay, block = _relay(), _block()
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_reader_sees_the_whole_block(variant):
+    relay, block = _relay(variant=variant), _block()
     pool_ids = block.pool_ids.clone()
     pool_ids[:, -1, 2] = (pool_ids[:, -1, 2] + 1) % V  # a later position's candidate changes
-    g, _ = relay.read(block.hidden, block.pool_ids, block.pool_logprobs)
-    g2, _ = relay.read(block.hidden, pool_ids, block.pool_logprobs)
+    g = relay.read(block.hidden, block.pool_ids, block.pool_logprobs, block.anchor_ids)[0]
+    g2 = relay.read(block.hidden, pool_ids, block.pool_logprobs, block.anchor_ids)[0]
     assert not torch.allclose(g[:, 0], g2[:, 0])  # ... and position 1's reader features move
     labels = block.pool_ids[..., 0]
     sigma, _ = relay.score(block.hidden, block.pool_ids, block.pool_logprobs, block.anchor_ids, labels)
@@ -137,10 +154,11 @@ def test_reader_sees_the_whole_block():
     assert not torch.allclose(sigma[:, 0], sigma2[:, 0])
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("prefix_model", ["gru", "attn"])
-def test_an_untrained_relay_scores_the_drafters_log_probs_and_keeps_every_native(prefix_model):
+def test_an_untrained_relay_scores_the_drafters_log_probs_and_keeps_every_native(prefix_model, variant):
     block = _block()
-    relay = _relay(prefix_model, trained=False)
+    relay = _relay(prefix_model, trained=False, variant=variant)
     tokens, sigma = relay.select(block, return_scores=True)
     torch.testing.assert_close(sigma, block.pool_logprobs.to(sigma.dtype))
     assert torch.equal(tokens, block.pool_ids[..., 0])
@@ -148,8 +166,9 @@ def test_an_untrained_relay_scores_the_drafters_log_probs_and_keeps_every_native
     assert not torch.allclose(plain.select(block, return_scores=True)[1], block.pool_logprobs.double())
 
 
-def test_decision_keeps_the_native_unless_an_alternative_wins_by_the_repair_margin():
-    relay, block = _relay(), _block(b=8)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_decision_keeps_the_native_unless_an_alternative_wins_by_the_repair_margin(variant):
+    relay, block = _relay(variant=variant), _block(b=8)
     tokens, sigma = relay.select(block, return_scores=True)
     gain, alt = sigma[..., 1:].max(-1)
     j = torch.where(gain - sigma[..., 0] > 0.0, alt + 1, 0)
@@ -177,8 +196,10 @@ def test_save_load_keeps_the_repair_margin_and_never_saves_the_embedding(tmp_pat
         DRelay.load(tmp_path / "nowhere")
     with pytest.raises(RelayError, match="attach"):
         DRelay(relay.config).double().select(block)
-    with pytest.raises(ValueError, match="repair_margin"):
-        RelayConfig(hidden_size=H, repair_margin=-0.1)
+    with pytest.raises(ValueError, match="vocab_size"):
+        RelayConfig(hidden_size=H, lattice_rank=4)
+    with pytest.raises(ValueError, match="lattice_messages needs"):
+        RelayConfig(hidden_size=H, vocab_size=V, token_rank=4, lattice_messages=True)
     # a relay saved before δ was renamed (config.json says "margin") loads with its δ
     config_file = tmp_path / "relay" / "config.json"
     old = json.loads(config_file.read_text())

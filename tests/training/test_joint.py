@@ -17,7 +17,7 @@ from drelay.models.drafter import BlockDrafter
 from drelay.models.methods import create_method, load_method
 from drelay.models.relay import DRelay
 from drelay.training import trainer
-from drelay.training.trainer import CHECKPOINT, replay_bf16, train_dflash, train_method
+from drelay.training.trainer import CHECKPOINT, replay_as_trained, train_dflash, train_method
 from tests.conftest import make_tiny_target
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -153,6 +153,10 @@ def test_joint_loss_moves_backbone_reader_and_selector(setup, runs):
     trained = DRelay.load(run["out_dir"] / "relay", target.embed_tokens)
     moved = {name: not torch.equal(init[name], p.float()) for name, p in trained.state_dict().items()}
     assert any(n.startswith("reader.layers") for n in moved) and any(n.startswith("selector.prefix") for n in moved)
+    # with the anchor a reader token (v2), no_feature stands only for a true token outside its pool, which
+    # this phrase data may never put in a prefix; everything else, the lattice and token tables included, moves
+    moved.pop("selector.no_feature")
+    assert any(n.startswith("lattice.") for n in moved) and any(".tokens." in n for n in moved)
     assert all(moved.values()), [n for n, ok in moved.items() if not ok]
 
 
@@ -166,7 +170,7 @@ def test_tune_picks_the_repair_margin_with_the_best_held_out_replay_tau_and_the_
 
     margins = (0.0, 0.25, 1.0, 3.0, 1e9)  # 1e9: never replace, the native τ
     relay.settings = DRelaySettings(repair_margins=margins)
-    taus = relay.tune(lambda hook: replay_bf16(drafter, val, POOL, hook).tau)
+    taus = relay.tune(lambda hook: replay_as_trained(drafter, val, POOL, "bfloat16", hook).tau)
     best = relay.config.repair_margin
     expected = {}
     for m in margins:  # recomputed independently: one replay per δ
@@ -239,15 +243,17 @@ def test_a_killed_joint_run_resumes_and_ends_where_an_uninterrupted_one_does(set
         torch.testing.assert_close(a, b, msg=name)
 
 
-@pytest.mark.parametrize("params", ["params.yaml", "profiles/smoke.yaml", "profiles/qwen3-8b.yaml"])
+@pytest.mark.parametrize("params", ["params.yaml", "profiles/smoke.yaml", "profiles/qwen3-8b.yaml",
+                                    "profiles/cpu-fp32.yaml", "profiles/cpu-small.yaml"])
 def test_every_profile_has_a_valid_joint_section(params):
     cfg = load_section(ROOT / params, "joint")
     assert set(cfg.methods) == set(JOINT_METHODS) and cfg.common.extra_steps >= 1 and 0.0 in cfg.drelay.repair_margins
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ("joint:\n  drelay:\n    repair_margins: [0.5, -1]\n",
-     "joint.drelay.repair_margins must be a non-empty list of distinct values >= 0"),
+    ("joint:\n  drelay:\n    repair_margins: [0.5, 0.5]\n",
+     "joint.drelay.repair_margins must be a non-empty list of distinct values"),
+    ("joint:\n  drelay-lite:\n    omega: raw\n", "joint.drelay-lite.omega must be reach or block or expected"),
     ("joint:\n  drelay:\n    repair_margins: []\n", "joint.drelay.repair_margins must be a non-empty list"),
     ("joint:\n  methods: [dflash, medusa]\n", "joint.methods must be a non-empty list of distinct names from dflash"),
     ("joint:\n  drelay:\n    reader_heads: 3\n", "joint.drelay.reader_heads must be a divisor of reader_dim (256), got 3"),
@@ -293,5 +299,5 @@ def test_baseline_heads_train_under_the_same_rule_and_are_saved(setup, runs, met
     head = load_method(method, run["out_dir"], target.embed_tokens)
     assert type(head) is type(create_method(method, drafter, cfg.settings(method), POOL, 0))
     saved = BlockDrafter.load(run["out_dir"] / "drafter", target).float()
-    again = replay_bf16(saved, val[: cfg.common.replay_sequences], POOL, head.select)
+    again = replay_as_trained(saved, val[: cfg.common.replay_sequences], POOL, "bfloat16", head.select)
     assert again.tau == pytest.approx(final["replay_tau"], abs=1e-9)
