@@ -61,7 +61,7 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
         result = run_grid(target, methods, cfg, benchmarks_dir=Path(params.data.out_dir) / "benchmarks",
                           pool_size=params.decode.pool_size, sampling_rule=params.decode.sampling_rule,
                           max_prompt_tokens=params.distill.max_prompt_tokens, seed=params.run.seed,
-                          log=bar.write, on_cell=on_cell)
+                          precision=params.train.precision, log=bar.write, on_cell=on_cell)
         bar.close()
         bad = nonfinite(result.tables)
         if bad:
@@ -88,6 +88,8 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
         tracker.log_metrics({f"{t}/{b}/{m}/{k}": v for t, rows in result.tables.items() for b, cells in rows.items()
                              for m, metrics in cells.items() for k, v in metrics.items()})
         metrics = {**result.tables, "cells_computed": result.computed, "cells_reused": result.reused,
+                   "paired": {t: {other: {b: p.as_dict() for b, p in rows.items()} for other, rows in per.items()}
+                              for t, per in result.paired.items()},
                    "wall_s": time.perf_counter() - start}
         tracker.log_metrics({"cells_computed": result.computed, "cells_reused": result.reused,
                              "wall_s": metrics["wall_s"]})

@@ -29,6 +29,32 @@ def _tau_speedup(cell: dict) -> str:
     return f"{tau} / {speed}"
 
 
+def _signed(x: float) -> str:
+    return f"{x:+.3f}"
+
+
+def paired_table(result: EvalResult, tkey: str) -> list[str]:
+    """The focus method against each other method at one temperature: mean τ difference per benchmark
+    and for the mean, with its 95% bootstrap interval over samples; bold where the interval is above 0."""
+    paired, focus = result.paired.get(tkey), result.focus
+    if not paired:
+        return []
+    others = list(paired)
+    benches = list(next(iter(paired.values())))
+    lines = ["", f"{focus} against each method ({tkey}): paired difference of mean τ (replay), "
+             f"{focus} minus the column, [95% bootstrap interval over samples]; **bold**: {focus} ahead "
+             "(interval above 0).", "",
+             "| benchmark | " + " | ".join(others) + " |", "|---|" + "---|" * len(others)]
+    for bench in benches:
+        cells = []
+        for other in others:
+            p = paired[other].get(bench)
+            text = "—" if p is None else f"{_signed(p.diff)} [{_signed(p.low)}, {_signed(p.high)}]"
+            cells.append(f"**{text}**" if p is not None and p.ahead else text)
+        lines.append(f"| {'**mean**' if bench == 'mean' else bench} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def markdown(result: EvalResult, info: dict) -> str:
     """The whole report: provenance, one τ / speedup table per temperature, repair statistics and
     the live checks. `info` gives samples/live_samples/max_new_tokens per benchmark, dtype, etc."""
@@ -92,6 +118,7 @@ def markdown(result: EvalResult, info: dict) -> str:
                 if result.oracle in live:
                     lines += ["The live oracle follows AR's output; after such a divergence that reference no "
                               "longer describes the decoded path, so its live τ is a lower bound (its replay τ is exact)."]
+        lines += paired_table(result, tkey)
         lines.append("")
     if info.get("plots"):
         lines.append("Plots: " + ", ".join(f"`{p}`" for p in info["plots"]) + ".")

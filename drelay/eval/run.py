@@ -36,6 +36,7 @@ from drelay.data.benchmarks import load_prepared_benchmark
 from drelay.data.records import Sequence
 from drelay.decoding.replay import ReplayStats
 from drelay.eval.live import live_prompt, summarize_live
+from drelay.eval.paired import Paired, paired_bootstrap
 from drelay.eval.replay_eval import continuations, replay_methods
 from drelay.models.methods import Speculator, load_speculator
 from drelay.models.target import Target
@@ -112,7 +113,8 @@ def stats_from_dict(d: dict) -> ReplayStats:
 class EvalResult:
     """Everything the report needs. `tables[T][benchmark][method]` = {metric: value} (with a `mean`
     benchmark); `replay[T][method]` = the replay statistics pooled over benchmarks (per position);
-    `live_records[T][benchmark]` = per-prompt live records; `reused`/`computed`: cell counts."""
+    `live_records[T][benchmark]` = per-prompt live records; `reused`/`computed`: cell counts;
+    `paired[T][other]` = the focus method (drelay) minus `other`, paired over samples (drelay.eval.paired)."""
 
     tables: dict[str, dict[str, dict[str, dict[str, float]]]] = field(default_factory=dict)
     replay: dict[str, dict[str, ReplayStats]] = field(default_factory=dict)
@@ -120,6 +122,9 @@ class EvalResult:
     sequences: dict[str, dict[str, int]] = field(default_factory=dict)
     native: str | None = None  # the method that never repairs (dflash)
     oracle: str | None = None  # the method that reads the truth (analysis only)
+    sample_taus: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)  # [T][method][bench]
+    focus: str | None = None  # the method `paired` compares with the others
+    paired: dict[str, dict[str, dict[str, Paired]]] = field(default_factory=dict)  # [T][other][bench]: focus - other
     reused: int = 0
     computed: int = 0
 
@@ -171,11 +176,13 @@ def mean_row(rows: dict[str, dict[str, dict[str, float]]], methods: list[str], n
 
 def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *, benchmarks_dir: str | Path,
              pool_size: int, sampling_rule: str = "residual", max_prompt_tokens: int = 384, seed: int = 0,
-             log: Callable[[str], None] = print,
+             precision: str = "bfloat16", focus: str = "drelay", log: Callable[[str], None] = print,
              on_cell: Callable[[int, int, str], None] | None = None) -> EvalResult:
     """Every benchmark x method x temperature of `cfg` (methods: `ar` plus the keys of `methods`,
     which include `oracle` if wanted). Resumes from the cells under `cfg.out_dir`.
 
+    precision: the replay's matmuls, as in training (train.precision: bfloat16 autocast or float32).
+    focus: the method compared with every other one, paired over samples, with bootstrap intervals.
     `on_cell(done, total, what)` reports progress after each cell. Raises LosslessnessError (after
     saving every finished cell) if a T=0 output departs from AR where rounding cannot explain it."""
     out_dir = Path(cfg.out_dir)
@@ -208,14 +215,16 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
             result.sequences[tkey][bench] = len(seqs)
             base = {"version": CELL_VERSION, "target": target_fp, "benchmark": bench, "temperature": temperature, "samples": n,
                     "max_new_tokens": max_new, "max_prompt_tokens": max_prompt_tokens, "pool_size": pool_size,
-                    "seed": seed, "continuations": _sequences_digest(seqs)}
+                    "seed": seed, "continuations": _sequences_digest(seqs),
+                    **({} if precision == "bfloat16" else {"precision": precision})}
             stats: dict[str, ReplayStats] = {}
             for name in trained:
                 stamp = {**base, "method": name, "model": methods[name].fingerprint}
                 key = f"{tkey}/{bench}/replay_{name}"
                 saved = store.get(key, stamp)
                 if saved is None:
-                    s = replay_methods({name: methods[name]}, seqs, pool_size)[name]  # bf16 autocast, as in training
+                    s = replay_methods({name: methods[name]}, seqs, pool_size,  # as in training
+                                       autocast=precision == "bfloat16")[name]
                     store.put(key, stamp, stats_to_dict(s))
                     result.computed += 1
                 else:
@@ -223,6 +232,7 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
                     result.reused += 1
                 stats[name] = s
                 pooled[name] = s if name not in pooled else pooled[name].merge(s)
+                result.sample_taus.setdefault(tkey, {}).setdefault(name, {})[bench] = list(s.taus)
                 tick(f"{tkey} {bench} replay {name}")
             records = _live_cells(target, methods, trained, seqs, cfg, bench, temperature, base, store, result,
                                   pool_size, sampling_rule, seed, tick)
@@ -237,6 +247,11 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
         tables["mean"] = mean_row(tables, names, native, oracle)
         result.tables[tkey] = tables
         result.replay[tkey] = pooled
+        taus = result.sample_taus.get(tkey, {})
+        if focus in taus:
+            result.focus = focus
+            result.paired[tkey] = {other: paired_bootstrap(taus[focus], taus[other], seed=seed)
+                                   for other in trained if other != focus}
     return result
 
 

@@ -191,3 +191,22 @@ def test_report_tables_and_plots(first, tmp_path):
     for i in range(3):  # right + harm + both wrong + kept = every reached position
         assert sum(v[i] for v in outcomes.values()) == pytest.approx(1.0)
     json.dumps(result.tables)  # plain numbers all the way down
+
+
+def test_the_focus_method_is_compared_with_every_other_paired_over_samples(first, models, prepared_benchmarks):
+    out, result = first
+    assert result.paired == {} and result.focus is None  # the default focus, drelay, was not evaluated
+    again = grid(models, config(out), prepared_benchmarks, focus="dflash2")
+    assert again.focus == "dflash2"
+    t0 = again.tables["T0"]
+    for tkey in ("T0", "T1"):
+        assert set(again.paired[tkey]) == {"dflash", ORACLE}
+    for bench in BENCHES:
+        p = again.paired["T0"]["dflash"][bench]
+        assert p.diff == pytest.approx(t0[bench]["dflash2"]["tau"] - t0[bench]["dflash"]["tau"])
+        assert p.low <= p.diff <= p.high and p.n == again.sequences["T0"][bench]
+    mean = again.paired["T0"][ORACLE]["mean"]
+    assert mean.diff == pytest.approx(t0["mean"]["dflash2"]["tau"] - t0["mean"][ORACLE]["tau"]) and mean.diff <= 0
+    info = {"benchmarks": {b: {"samples": 2, "sequences": 2, "live_samples": 1, "max_new_tokens": 10} for b in BENCHES}}
+    text = markdown(again, info)
+    assert "dflash2 against each method (T0)" in text and "| benchmark | dflash | oracle |" in text
