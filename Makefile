@@ -1,4 +1,4 @@
-# make setup | make test [PYTEST_ARGS=...] | make repro [PROFILE=name] | make ui [UI_PORT=5000]
+# make setup | make test [PYTEST_ARGS=...] | make repro [PROFILE=name] | make ablation [PROFILE=name] | make ui [UI_PORT=5000]
 # make schedule [PROFILE=name] (Ctrl-C stops serving) | make schedule-stop (stops the server)
 SHELL := /bin/bash
 VENV := .venv
@@ -20,7 +20,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test repro ui schedule schedule-stop
+.PHONY: setup test repro ablation ui schedule schedule-stop
 
 setup: $(STAMP)
 
@@ -46,6 +46,12 @@ repro: setup
 	else \
 		PATH="$(VENV_PATH)" $(VENV)/bin/dvc repro; \
 	fi
+
+# DRelay's ablation (pipelines/ablation.py) on a reproduced pipeline's outputs: the repo root's, or
+# runs/<PROFILE>/'s. ABLATION_ARGS=... passes flags, e.g. --only lattice,calibration.
+ABLATION_ARGS ?=
+ablation: setup
+	cd $(if $(PROFILE),runs/$(PROFILE),.) && PATH="$(VENV_PATH)" $(abspath $(PY)) -m pipelines.ablation $(ABLATION_ARGS)
 
 # Every profile's runs, one experiment per profile (drelay-<profile>).
 ui: setup

@@ -154,6 +154,27 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     assert cells["cells_computed"] >= 2 * 8  # at least drelay's replay cells, every temperature x benchmark
 
 
+def test_the_ablation_trains_each_variant_once_and_writes_its_table(smoke_repo, env, in_process_stage, monkeypatch):
+    """On the reproduced smoke pipeline: drelay-lite, + the lattice alone, and all of DRelay v2, one MLflow
+    run each; a second call reuses them; an unknown part is one error line."""
+    monkeypatch.chdir(smoke_repo)
+    for key in ("MLFLOW_TRACKING_URI", "PREFECT_API_URL"):
+        monkeypatch.setenv(key, env[key])
+    assert in_process_stage("ablation", "--only", "lattice") == 0
+    metrics = json.loads((smoke_repo / "metrics/drelay_ablation.json").read_text())
+    assert list(metrics) == ["drelay-lite", "+ lattice", "drelay (all)"]
+    assert metrics["drelay-lite"]["gain"] == 0 and all(m["replay_tau"] >= 1 for m in metrics.values())
+    assert all("repair_margin" in m and m["oracle_tau"] >= m["native_tau"] for m in metrics.values())
+    report = (smoke_repo / "reports/drelay_ablation.md").read_text()
+    assert "| + lattice |" in report and "Acceptance rate per block position" in report
+    runs = [r for rs in _runs_by_stage(env["MLFLOW_TRACKING_URI"]).values() for r in rs if "ablation" in r.data.tags]
+    assert sorted(r.data.tags["ablation"] for r in runs) == sorted(metrics)
+    assert in_process_stage("ablation", "--only", "lattice") == 0  # finished variants are read back
+    again = [r for rs in _runs_by_stage(env["MLFLOW_TRACKING_URI"]).values() for r in rs if "ablation" in r.data.tags]
+    assert len(again) == len(runs)
+    assert in_process_stage("ablation", "--only", "latice") == 2
+
+
 def _check_evaluation(repo: Path, run) -> None:
     """eval.json: every temperature x benchmark (+ mean) x method, finite numbers, the identical-output
     check passed at T=0 (float32 smoke target); the report and plots; the numbers in MLflow."""
