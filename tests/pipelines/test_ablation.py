@@ -10,7 +10,7 @@ from pipelines.ablation import ALL, LITE, PARTS, slug, table, variants
 
 
 def test_each_variant_differs_from_drelay_lite_by_its_part_alone():
-    full = DRelaySettings(reader_dim=64, lambda_repair=0.5)
+    full = DRelaySettings(reader_dim=64, lambda_repair=0.5, repair_weight=2.0, ce_weight_final=0.5)
     out = variants(full)
     assert list(out) == [LITE, *(f"+ {p}" for p in PARTS), ALL]
     lite = out[LITE]

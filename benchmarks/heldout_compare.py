@@ -1,0 +1,94 @@
+"""Every trained method side by side on the held-out distilled split (where δ and every setting are
+chosen; never the evaluation prompts), paired over sequences.
+
+Loads the target, each method's train@ output under joint.common.out_dir and the held-out split of the
+distilled data (train.val_fraction, run.seed: the split the train@ stages evaluated on), replays every
+method along the same sequences (T = 0, exact) at train.precision, and prints per method: τ, the
+difference to `--focus` with its 95% bootstrap interval over sequences, the native τ of its own
+backbone, the oracle τ, the oracle gap closed (vs the dflash continuation), replace rate, repair
+precision, harm, and τ per block position. Writes the numbers as JSON with `--out`.
+
+    .venv/bin/python benchmarks/heldout_compare.py [--params P] [--focus drelay] [--out FILE]
+    (run it where the pipeline ran: the repo root, or runs/<profile>/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from drelay.config import load_params  # noqa: E402
+from drelay.data.records import load_distilled, split_sequences  # noqa: E402
+from drelay.eval.paired import paired_bootstrap  # noqa: E402
+from drelay.eval.replay_eval import replay_methods  # noqa: E402
+from drelay.models.methods import Speculator, load_speculator  # noqa: E402
+from drelay.models.repair import Native, Oracle  # noqa: E402
+from drelay.models.target import Target  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--focus", default="drelay", help="the method every other is compared with")
+    ap.add_argument("--methods", nargs="*", help="default: joint.methods")
+    ap.add_argument("--sequences", type=int, default=0, help="held-out sequences to replay (0: all)")
+    ap.add_argument("--out", type=Path, help="write the numbers as JSON here")
+    args = ap.parse_args()
+    params = load_params(args.params)
+    torch.manual_seed(params.run.seed)
+    if params.run.threads:
+        torch.set_num_threads(params.run.threads)
+    target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)
+    _, val = split_sequences(load_distilled(params.distill.out_dir), params.train.val_fraction, params.run.seed)
+    val = val[: args.sequences or None]
+    joint_dir, pool = Path(params.joint.common.out_dir), params.decode.pool_size
+    names = args.methods or list(params.joint.methods)
+    autocast = params.train.precision == "bfloat16"
+    rows, taus = {}, {}
+    for name in names:
+        t0 = time.perf_counter()
+        spec = load_speculator(target, joint_dir, name)
+        specs = {name: spec, f"{name}:native": Speculator(spec.drafter, Native()),
+                 f"{name}:oracle": Speculator(spec.drafter, Oracle())}
+        stats = replay_methods(specs, val, pool, autocast=autocast)
+        s = stats[name].summary()
+        rows[name] = {"tau": s["tau"], "native_tau": stats[f"{name}:native"].tau, "oracle_tau": stats[f"{name}:oracle"].tau,
+                      **{k: s[k] for k in ("replace_rate", "repair_precision", "harm_rate") if k in s},
+                      "accept_pos": [round(s[f"accept_pos{i}"], 3) for i in range(1, 64) if f"accept_pos{i}" in s],
+                      "seconds": time.perf_counter() - t0}
+        taus[name] = {"val": stats[name].taus}
+        print(f"{name}: τ {s['tau']:.3f} ({rows[name]['seconds']:.0f} s)", file=sys.stderr, flush=True)
+    base = rows.get("dflash")
+    for name, row in rows.items():
+        if base is not None:
+            gap = base["oracle_tau"] - base["tau"]
+            row["oracle_gap_closed"] = (row["tau"] - base["tau"]) / gap if gap > 1e-9 else 0.0
+        if args.focus in taus and name != args.focus:
+            p = paired_bootstrap(taus[args.focus], taus[name], seed=params.run.seed)["val"]
+            row["focus_minus"] = p.as_dict()
+    print(f"\nheld-out replay, T = 0, {len(val)} sequences, pool k = {pool}, {params.train.precision}"
+          f" ({args.params}); Δ = {args.focus} minus the row, [95% bootstrap interval]\n")
+    print(f"| method | τ | Δ {args.focus} - row | own native τ | oracle τ | gap closed | replace | precision "
+          "| harm | accept by position |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, r in rows.items():
+        d = r.get("focus_minus")
+        delta = f"{d['diff']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}]" if d else "—"
+        print(f"| {name} | {r['tau']:.3f} | {delta} | {r['native_tau']:.3f} | {r['oracle_tau']:.3f} | "
+              f"{r.get('oracle_gap_closed', float('nan')):+.3f} | {r.get('replace_rate', 0):.3f} | "
+              f"{r.get('repair_precision', 0):.3f} | {r.get('harm_rate', 0):.3f} | "
+              f"{' '.join(f'{a:.2f}' for a in r['accept_pos'])} |")
+    if args.out:
+        args.out.write_text(json.dumps({"sequences": len(val), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
