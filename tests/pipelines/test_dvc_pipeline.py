@@ -23,10 +23,10 @@ from tests.pipelines.conftest import stop_group
 
 HEADS = ("dflash2", "domino", "dspark")
 STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash", "train@dflash", "train@drelay",
-          *(f"train@{head}" for head in HEADS), "evaluate")
+          "train@drelay-lite", *(f"train@{head}" for head in HEADS), "evaluate")
 METRICS = {**{s: f"joint_{s[6:]}" for s in STAGES if s.startswith("train@")}, "evaluate": "eval"}  # metrics file
 BENCHMARKS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "mt_bench", "alpaca")
-EVAL_METHODS = ("ar", "dflash", "dflash2", "domino", "dspark", "drelay", "oracle")
+EVAL_METHODS = ("ar", "dflash", "dflash2", "domino", "dspark", "drelay-lite", "drelay", "oracle")
 pytestmark = pytest.mark.slow
 
 
@@ -194,8 +194,18 @@ def _check_evaluation(repo: Path, run) -> None:
                     assert metrics["identical_rate"] == 1.0
             assert cells["oracle"]["tau"] >= cells["dflash"]["tau"]
     report = (repo / "reports/eval.md").read_text()
-    assert "| benchmark | ar | dflash | dflash2 | domino | dspark | drelay | oracle |" in report
-    assert report.count("| **mean** |") == 2 and "replay" in report and "live" in report
+    assert "| benchmark | ar | dflash | dflash2 | domino | dspark | drelay-lite | drelay | oracle |" in report
+    assert "drelay against each method (T0)" in report and "| benchmark | dflash | dflash2 | domino |" in report
+    paired = json.loads((repo / "metrics/eval.json").read_text())["paired"]
+    for tkey in ("T0", "T1"):
+        assert set(paired[tkey]) == set(EVAL_METHODS) - {"ar", "drelay"}
+        for other, rows in paired[tkey].items():
+            assert set(rows) == {*BENCHMARKS, "mean"}
+            mean = rows["mean"]
+            assert mean["low"] <= mean["diff"] <= mean["high"], (tkey, other)
+            diff = tables[tkey]["mean"]["drelay"]["tau"] - tables[tkey]["mean"][other]["tau"]
+            assert abs(mean["diff"] - diff) < 1e-4, (tkey, other)
+    assert report.count("| **mean** |") == 4 and "replay" in report and "live" in report  # τ + paired, per T
     for name in ("tau", "acceptance", "repair"):
         assert (repo / f"reports/eval_{name}.png").stat().st_size > 10000
     logged = run.data.metrics
