@@ -117,7 +117,8 @@ def ablation_flow(params_path: str = "params.yaml", overrides: list[str] | None 
     for name, settings in chosen.items():
         folder = root / slug(name)
         done = folder / "result.json"
-        if done.is_file() and json.loads(done.read_text()).get("settings") == dataclasses.asdict(settings):
+        stamp = json.loads(json.dumps(dataclasses.asdict(settings)))  # as read back (tuples become lists)
+        if done.is_file() and json.loads(done.read_text()).get("settings") == stamp:
             rows[name] = json.loads(done.read_text())["metrics"]  # finished in an earlier run
             continue
         cfg = dataclasses.replace(joint, drelay_lite=settings, common=dataclasses.replace(
@@ -138,7 +139,7 @@ def ablation_flow(params_path: str = "params.yaml", overrides: list[str] | None 
                                                                final["oracle_tau"]),
                            **result.method_metrics)
             tracker.log_metrics({k: v for k, v in metrics.items() if not k.startswith("replay_") or "_pos" not in k})
-            done.write_text(json.dumps({"settings": dataclasses.asdict(settings), "metrics": metrics}))
+            done.write_text(json.dumps({"settings": stamp, "metrics": metrics}))
         rows[name] = metrics
     lite_tau = rows[LITE]["replay_tau"]
     for row in rows.values():
