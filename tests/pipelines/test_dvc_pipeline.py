@@ -263,7 +263,7 @@ def test_bad_key_and_missing_inputs_are_clear_errors(smoke_repo, env, tmp_path, 
     assert code == 2 and "which joint.methods does not train" in err
     # evaluate reads prepare_data's benchmark copies: a missing one names the file and the stage
     joint, target = tmp_path / "joint", tmp_path / "target"
-    for method in ("dflash", "dflash2", "domino", "dspark", "drelay"):
+    for method in ("dflash", "dflash2", "domino", "dspark", "drelay", "drelay-lite"):
         (joint / method / "drafter").mkdir(parents=True)
         (joint / method / "drafter" / "config.json").write_text("{}")
     target.mkdir()
