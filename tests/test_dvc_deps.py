@@ -199,4 +199,4 @@ def test_one_methods_settings_rerun_only_its_stage_then_evaluate(locked_repo):
     _set(repo, "joint.drelay.lambda_repair", 0.5)
     assert _changed(repo) == {"train@drelay"}
     _set(repo, "joint.common.extra_steps", 10)  # what every method shares re-runs every method
-    assert _changed(repo) == {f"train@{m}" for m in ("dflash", "drelay", "dflash2", "domino", "dspark")}
+    assert _changed(repo) == {f"train@{m}" for m in ("dflash", "drelay", "drelay-lite", "dflash2", "domino", "dspark")}
