@@ -25,6 +25,7 @@ from drelay.models.drafter import BlockDrafter, DrafterError  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
 from drelay.training.trainer import train_method  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
+from pipelines.train import oracle_gap_closed  # noqa: E402
 
 LITE = "drelay-lite"
 ALL = "drelay (all)"
@@ -73,10 +74,6 @@ def variants(full: DRelaySettings, only: list[str] | None = None) -> dict[str, D
 def slug(name: str) -> str:
     """A folder name: runs of anything but letters and digits become one "_"."""
     return "_".join("".join(c if c.isalnum() else " " for c in name).split())
-
-
-def oracle_gap_closed(tau: float, native: float, oracle: float) -> float:
-    return (tau - native) / (oracle - native) if oracle - native > 1e-9 else 0.0
 
 
 def table(rows: dict[str, dict]) -> str:
