@@ -82,22 +82,92 @@ class ReplayStats:
         return out
 
 
+@dataclass
+class ReplayBlocks:
+    """The drafter's block at every anchor of every sequence (positions prompt_len .. len-2), computed once
+    for replays that differ only in the repair hook (δ tuning: one drafter pass instead of one per δ).
+    Blocks carry no logits (a full-vocabulary hook cannot use them): hidden, pool ids and log-probs only."""
+
+    sequences: list[Sequence]
+    block_size: int
+    pool_size: int
+    hidden: list[torch.Tensor | None]  # per sequence (A, B-1, H); None: a response too short to replay
+    pool_ids: list[torch.Tensor | None]  # (A, B-1, k)
+    pool_logprobs: list[torch.Tensor | None]  # (A, B-1, k)
+
+    def batch(self, indices: list[int], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The blocks of sequences `indices`, padded to the longest: (b, A, B-1, H), (b, A, B-1, k) x 2."""
+        def stack(parts):
+            A = max(p.shape[0] for p in parts)
+            out = parts[0].new_zeros((len(parts), A, *parts[0].shape[1:]))
+            for row, p in enumerate(parts):
+                out[row, : p.shape[0]] = p
+            return out.to(device)
+        return tuple(stack([getattr(self, name)[i] for i in indices]) for name in ("hidden", "pool_ids", "pool_logprobs"))
+
+
 @torch.no_grad()
-def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | None = None, pool_size: int = 8,
-           repair: Repair | None = None, batch_size: int = 16, max_steps: int | None = None) -> ReplayStats:
-    """Acceptance statistics of a method along each sequence's response (anchor starts at P).
-    `repair`: a repair method or any `DraftBlock -> tokens` hook; None: the native top-1."""
+def precompute_blocks(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | None = None,
+                      pool_size: int = 8, batch_size: int = 16, anchors_per_pass: int = 8) -> ReplayBlocks:
+    """`ReplayBlocks` of `sequences`: every anchor's block, `anchors_per_pass` anchors of each sequence per
+    drafter pass (each block sees only its own context, exactly as in `replay`)."""
     B = block_size or drafter.config.block_size
-    stats = ReplayStats(**{name: torch.zeros(B - 1) for name in _COUNTERS})
     device = drafter.fc.weight.device
+    out = ReplayBlocks(sequences, B, pool_size, [None] * len(sequences), [None] * len(sequences),
+                       [None] * len(sequences))
     for start in range(0, len(sequences), batch_size):
-        seqs = [s for s in sequences[start: start + batch_size] if s.response_len >= 2]
-        if not seqs:
+        rows = [i for i in range(start, min(start + batch_size, len(sequences))) if sequences[i].response_len >= 2]
+        if not rows:
             continue
+        seqs = [sequences[i] for i in rows]
         features, tokens, lengths = (t.to(device) for t in pad_sequences(seqs))
         b, T = tokens.shape
         ctx_kv = drafter.context_kv(features, torch.arange(T, device=device).expand(b, T))
+        first = torch.tensor([s.prompt_len for s in seqs], device=device)
+        count = lengths - 1 - first  # anchors prompt_len .. len-2 of each sequence
+        parts: list[list[tuple]] = [[] for _ in seqs]
+        for offset in range(0, int(count.max()), anchors_per_pass):
+            steps = torch.arange(offset, offset + anchors_per_pass, device=device)
+            a = (first[:, None] + steps).clamp(max=T - 2)  # (b, c); past a sequence's end: computed, dropped
+            hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B)  # (b, c, B-1, H)
+            pool_ids, pool_logprobs = candidate_pool(drafter.logits(hidden).float(), pool_size)
+            for row in range(b):
+                keep = int((count[row] - offset).clamp(min=0, max=anchors_per_pass))
+                if keep:
+                    parts[row].append((hidden[row, :keep].cpu(), pool_ids[row, :keep].cpu(),
+                                       pool_logprobs[row, :keep].cpu()))
+        for row, i in enumerate(rows):
+            out.hidden[i], out.pool_ids[i], out.pool_logprobs[i] = (torch.cat(t) for t in zip(*parts[row]))
+    return out
+
+
+@torch.no_grad()
+def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | None = None, pool_size: int = 8,
+           repair: Repair | None = None, batch_size: int = 16, max_steps: int | None = None,
+           blocks: ReplayBlocks | None = None) -> ReplayStats:
+    """Acceptance statistics of a method along each sequence's response (anchor starts at P).
+    `repair`: a repair method or any `DraftBlock -> tokens` hook; None: the native top-1.
+    `blocks`: these sequences' precomputed blocks (`precompute_blocks`): no drafter pass here."""
+    B = block_size or drafter.config.block_size
+    if blocks is not None and (blocks.sequences is not sequences or blocks.block_size != B
+                               or blocks.pool_size != pool_size):
+        raise ValueError("precomputed blocks were made for other sequences, block size or pool size")
+    stats = ReplayStats(**{name: torch.zeros(B - 1) for name in _COUNTERS})
+    device = drafter.fc.weight.device
+    for start in range(0, len(sequences), batch_size):
+        rows = [i for i in range(start, min(start + batch_size, len(sequences))) if sequences[i].response_len >= 2]
+        if not rows:
+            continue
+        seqs = [sequences[i] for i in rows]
+        features, tokens, lengths = (t.to(device) for t in pad_sequences(seqs))
+        b, T = tokens.shape
+        if blocks is None:
+            ctx_kv = drafter.context_kv(features, torch.arange(T, device=device).expand(b, T))
+        else:
+            cached = blocks.batch(rows, device)
+            batch_rows = torch.arange(b, device=device)
         anchors = torch.tensor([s.prompt_len for s in seqs], device=device)
+        first = anchors.clone()
         accepted = torch.zeros(b, device=device)
         steps = torch.zeros(b, device=device)
         active = anchors <= lengths - 2
@@ -106,9 +176,14 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
         while bool(active.any()) and (max_steps is None or n_steps < max_steps):
             n_steps += 1
             a = anchors.clamp(max=T - 2)[:, None]  # (b, 1); finished rows are computed and ignored
-            hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B)[:, 0]  # (b, B-1, H)
-            logits = drafter.logits(hidden).float()
-            pool_ids, pool_logprobs = candidate_pool(logits, pool_size)
+            if blocks is None:
+                hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B)[:, 0]  # (b, B-1, H)
+                logits = drafter.logits(hidden).float()
+                pool_ids, pool_logprobs = candidate_pool(logits, pool_size)
+            else:
+                j = (a[:, 0] - first).clamp(max=cached[0].shape[1] - 1)  # the anchor's index in its blocks
+                hidden, pool_ids, pool_logprobs = (t[batch_rows, j] for t in cached)
+                logits = None
             labels = block_labels(tokens, lengths, a, B)[:, 0]  # (b, B-1)
             block = DraftBlock(tokens.gather(1, a)[:, 0], a[:, 0], hidden, logits, pool_ids, pool_logprobs, labels)
             draft = pool_ids[..., 0] if repair is None else repair(block)

@@ -31,7 +31,7 @@ import torch
 
 from drelay.config import JointConfig, TrainConfig
 from drelay.data.records import BlockBatch, IGNORE, Sequence, make_batch
-from drelay.decoding.replay import ReplayStats, replay
+from drelay.decoding.replay import ReplayBlocks, ReplayStats, precompute_blocks, replay
 from drelay.models.drafter import BlockDrafter
 from drelay.models.methods import DRAFTER_FOLDER, create_method, save_method
 from drelay.models.repair import Native, Oracle, Repair, RepairMethod
@@ -157,10 +157,16 @@ def eval_mode(*modules: torch.nn.Module):
 
 
 def replay_as_trained(drafter: BlockDrafter, sequences: list[Sequence], pool_size: int, precision: str,
-                      repair: Repair | None = None) -> ReplayStats:
-    """`replay` under the same mixed precision as training."""
+                      repair: Repair | None = None, blocks: ReplayBlocks | None = None) -> ReplayStats:
+    """`replay` under the same mixed precision as training (`blocks`: precomputed by `blocks_as_trained`)."""
     with mixed_precision(drafter.fc.weight.device, precision):
-        return replay(drafter, sequences, pool_size=pool_size, repair=repair)
+        return replay(drafter, sequences, pool_size=pool_size, repair=repair, blocks=blocks)
+
+
+def blocks_as_trained(drafter: BlockDrafter, sequences: list[Sequence], pool_size: int, precision: str) -> ReplayBlocks:
+    """`precompute_blocks` under the same mixed precision as training."""
+    with mixed_precision(drafter.fc.weight.device, precision):
+        return precompute_blocks(drafter, sequences, pool_size=pool_size)
 
 
 @torch.no_grad()
@@ -311,9 +317,11 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
             progress(step, metrics)
 
         if last:  # tuning first, so the final evaluation uses the settings that are saved
-            with eval_mode(drafter, method):
-                tuned = method.tune(lambda hook: replay_as_trained(drafter, val[: s.replay_sequences], pool_size,
-                                                                   s.precision, hook).tau)
+            with eval_mode(drafter, method):  # every δ replays the same drafter blocks: computed once
+                seqs = val[: s.replay_sequences]
+                blocks = None if method.needs_logits else blocks_as_trained(drafter, seqs, pool_size, s.precision)
+                tuned = method.tune(lambda hook: replay_as_trained(drafter, seqs, pool_size, s.precision, hook,
+                                                                   blocks).tau)
             if tuned:
                 log({f"tune_tau_{m:g}".replace("+", ""): tau for m, tau in tuned.items()}, step)  # MLflow: no "+"
         if step % s.eval_every == 0 or last:

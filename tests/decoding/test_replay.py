@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from drelay.decoding.generate import speculative_generate
-from drelay.decoding.replay import replay
+from drelay.decoding.replay import precompute_blocks, replay
 from drelay.models.drafter import BlockDrafter
 from drelay.models.repair import Oracle
 from drelay.training.distill import generate_batch
@@ -71,3 +71,27 @@ def test_per_position_repair_statistics_add_up_and_merge():
     assert merged.taus == whole.taus and merged.steps == whole.steps
     assert torch.equal(merged.accepted_at, whole.accepted_at) and torch.equal(merged.pool_hit, whole.pool_hit)
     assert merged.summary() == whole.summary()
+
+
+def test_precomputed_blocks_replay_exactly_as_the_drafter_pass_they_replace():
+    """δ tuning replays the same sequences once per δ: the drafter's block at every anchor is computed once
+    (several anchors per pass) and each replay only runs the hook. Same statistics, step by step, for the
+    native, the oracle and a hook that reads the pool; blocks of other sequences are refused."""
+    _, drafter, seqs = _setup()
+    drafter = drafter.double()  # exact: a pass over 3 anchors and a pass over 1 round the same in float64
+    blocks = precompute_blocks(drafter, seqs, pool_size=4, batch_size=3, anchors_per_pass=3)
+
+    def second_choice(block):
+        assert block.logits is None or block.logits.shape[-1] == 24
+        return torch.where(block.pool_logprobs[..., 1] > -1.5, block.pool_ids[..., 1], block.pool_ids[..., 0])
+
+    for repair in (None, Oracle(), second_choice):
+        plain = replay(drafter, seqs, pool_size=4, repair=repair, batch_size=2)
+        cached = replay(drafter, seqs, pool_size=4, repair=repair, batch_size=2, blocks=blocks)
+        assert cached.accept_lengths == plain.accept_lengths and cached.taus == plain.taus
+        assert torch.equal(cached.replaced_at, plain.replaced_at)
+    assert sum(map(sum, plain.accept_lengths)) > 0 and plain.replaced > 0  # a real comparison
+    with pytest.raises(ValueError, match="other sequences"):
+        replay(drafter, seqs[:2], pool_size=4, blocks=blocks)
+    with pytest.raises(ValueError, match="pool size"):
+        replay(drafter, seqs, pool_size=3, blocks=blocks)
