@@ -248,6 +248,11 @@ class DRelaySettings:
     token_rank: int = 64  # rank of the learned token tables T_c (reader) and T_in (prefix), zero-initialised (0: off)
     lattice_rank: int = 64  # rank of the transition lattice <P[prev] ⊙ W_h h_i, S[c]> inside σ (0: off)
     lattice_messages: bool = True  # forward/backward lattice messages as reader inputs (needs lattice_rank > 0)
+    lattice_bigram: bool = False  # the lattice also holds a plain low-rank bigram (W_h gets a bias, 1 at the start)
+    lattice_pool: bool = False  # the pool is the top-k of z_i + L_i(prev, ·) over the vocabulary (not of z_i alone);
+    # the engine then hands the relay the logits
+    lattice_ce: float = 1.0  # weight of the lattice's vocabulary-wide CE: z (detached) + L_i(y_{i-1}, ·) over all
+    # V against y_i, so every row of P and S learns (as DSpark's bigram does), not only the pool's (0: off)
     anchor_token: bool = True  # the anchor is a reader token (its reader feature feeds the prefix state)
     calibrate: bool = True  # σ in float32 with a per-position scale on s and bias on the native
     coadapt: bool = True  # s inside σ keeps its gradient: the repair loss shapes the backbone
@@ -265,7 +270,7 @@ class DRelaySettings:
         _require(self.reader_dim >= 1, "reader_dim", ">= 1", self.reader_dim)
         _require(self.reader_heads >= 1, "reader_heads", ">= 1", self.reader_heads)
         for key in ("reader_layers", "bilinear_rank", "lambda_support", "lambda_repair", "hinge_margin",
-                    "token_rank", "lattice_rank", "ce_weight_final", "repair_weight"):
+                    "token_rank", "lattice_rank", "lattice_ce", "ce_weight_final", "repair_weight"):
             _require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
         _require(0 < self.eps <= 1, "eps", "in (0, 1]", self.eps)
         _require(self.reader_dim % self.reader_heads == 0, "reader_heads",
@@ -275,6 +280,12 @@ class DRelaySettings:
         _require(1 <= self.beam_width <= 8, "beam_width", "in [1, 8]", self.beam_width)
         _require(not self.lattice_messages or self.lattice_rank > 0, "lattice_messages",
                  "false when lattice_rank is 0 (the messages run over the lattice)", self.lattice_messages)
+        _require(not self.lattice_bigram or self.lattice_rank > 0, "lattice_bigram",
+                 "false when lattice_rank is 0", self.lattice_bigram)
+        _require(not self.lattice_pool or self.lattice_rank > 0, "lattice_pool",
+                 "false when lattice_rank is 0", self.lattice_pool)
+        _require(not self.lattice_ce or self.lattice_rank > 0, "lattice_ce",
+                 "0 when lattice_rank is 0 (it trains the lattice)", self.lattice_ce)
         _require(_distinct(self.repair_margins), "repair_margins", "a non-empty list of distinct values",
                  self.repair_margins)
 
@@ -287,6 +298,9 @@ class DRelayLiteSettings(DRelaySettings):
     token_rank: int = 0
     lattice_rank: int = 0
     lattice_messages: bool = False
+    lattice_ce: float = 0.0
+    lattice_bigram: bool = False
+    lattice_pool: bool = False
     anchor_token: bool = False
     calibrate: bool = False
     coadapt: bool = False

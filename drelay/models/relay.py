@@ -72,6 +72,8 @@ class RelayConfig:
     token_rank: int = 0  # learned token tables T_c (reader) and T_in (prefix) of rank token_rank (0: none)
     lattice_rank: int = 0  # transition lattice P, S (V x r), W_h (H -> r) inside σ (0: none)
     lattice_messages: bool = False  # forward/backward lattice messages as reader inputs
+    lattice_bigram: bool = False  # the lattice's query gets a learned bias b (= 1 at the start): <P[p] ⊙ (W_h h + b), S[c]>
+    lattice_pool: bool = False  # the pool is the top-k of z_i + L_i(prev, ·) over the vocabulary, not of z_i alone
     anchor_token: bool = False  # the anchor as a reader token
     calibrate: bool = False  # σ in float32, per-position scale a_i on s and bias b_i on the native
     beam_width: int = 1  # select: a beam of this width over the block (1: the greedy walk)
@@ -87,8 +89,8 @@ class RelayConfig:
                              f"{self.reader_dim}/{self.reader_heads}")
         if (self.token_rank or self.lattice_rank) and self.vocab_size < 1:
             raise ValueError("token tables and the lattice need vocab_size >= 1")
-        if self.lattice_messages and not self.lattice_rank:
-            raise ValueError("lattice_messages needs lattice_rank >= 1")
+        if (self.lattice_messages or self.lattice_bigram or self.lattice_pool) and not self.lattice_rank:
+            raise ValueError("lattice_messages, lattice_bigram and lattice_pool need lattice_rank >= 1")
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
 
@@ -110,19 +112,27 @@ class TokenTable(nn.Module):
 class Lattice(nn.Module):
     """L_i(p, c) = <P[p] ⊙ W_h h_i, S[c]>: how well candidate c at position i follows token p at i-1
     (DFlash2's selector signal). S starts at zero (no term); P ~ N(0, 1) as in our DFlash2, so S's first
-    gradients are not vanishingly small."""
+    gradients are not vanishingly small. bigram: W_h gets a bias b starting at 1, so the lattice holds a
+    plain low-rank bigram <P[p] ⊙ b, S[c]> (DSpark's Markov term) that the hidden state modulates."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, bigram: bool = False):
         super().__init__()
         self.predecessor = nn.Parameter(torch.randn(vocab_size, rank))  # P
         self.successor = nn.Parameter(torch.zeros(vocab_size, rank))  # S
-        self.hidden_proj = nn.Linear(hidden_size, rank, bias=False)  # W_h
+        self.hidden_proj = nn.Linear(hidden_size, rank, bias=bigram)  # W_h (+ b)
+        if bigram:
+            nn.init.ones_(self.hidden_proj.bias)
         self.scale = rank ** -0.5  # a sum of r terms: the score stays O(1) as r grows (as the bilinear term)
 
     def forced(self, prev_ids: torch.Tensor, hidden: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced: predecessors (N, n), hidden (N, n, H), candidates (N, n, k) -> L (N, n, k), >= float32."""
         query = self.predecessor[prev_ids] * self.hidden_proj(hidden)  # (N, n, r)
         return wide(torch.einsum("nir,nikr->nik", query, self.successor[cand_ids])) * self.scale
+
+    def vocabulary(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """L_i(y_{i-1}, v) for every token v: predecessors (N, n), hidden (N, n, H) -> (N, n, V), >= float32."""
+        query = self.predecessor[prev_ids] * self.hidden_proj(hidden)  # (N, n, r)
+        return wide(query @ self.successor.T) * self.scale
 
     def table(self, anchor_ids: torch.Tensor, pool_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Over the pools: anchor (N,), pool_ids (N, n, k), hidden (N, n, H) -> T (N, n, k, k) (>= float32) with
@@ -319,7 +329,8 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         self.config = cfg
         self.reader = GlobalReader(cfg)
         self.selector = CausalSelector(cfg)
-        self.lattice = Lattice(cfg.vocab_size, cfg.hidden_size, cfg.lattice_rank) if cfg.lattice_rank else None
+        self.lattice = (Lattice(cfg.vocab_size, cfg.hidden_size, cfg.lattice_rank, cfg.lattice_bigram)
+                        if cfg.lattice_rank else None)
         self.shared: SharedEmbedding | None = None
         self.ops: Ops = REFERENCE
         self.settings: DRelaySettings | None = None  # the joint objective's settings (set by `create`)
@@ -340,6 +351,7 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
                                 prefix_model=settings.prefix_model, residual=settings.residual_score,
                                 bilinear_rank=settings.bilinear_rank, token_rank=settings.token_rank,
                                 lattice_rank=settings.lattice_rank, lattice_messages=settings.lattice_messages,
+                                lattice_bigram=settings.lattice_bigram, lattice_pool=settings.lattice_pool,
                                 anchor_token=settings.anchor_token, calibrate=settings.calibrate,
                                 beam_width=settings.beam_width)
         relay.settings = settings
@@ -360,6 +372,35 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
     def folder_what(cls) -> str:
         return "relay"
 
+    @property
+    def needs_logits(self) -> bool:
+        """A lattice pool is drawn from the whole vocabulary: the engine must hand over the logits."""
+        return self.config.lattice_pool
+
+    def lattice_pool(self, logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
+                     prefix_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool of config.lattice_pool: logits (N, n, V), hidden (N, n, H), anchor_ids (N,) -> pool_ids,
+        pool_logprobs (N, n, k). Candidates are the top-k of z_i + L_i(p, ·) over the vocabulary (the bigram
+        the lattice CE trains reaches tokens outside z_i's own top-k), sorted by it, so column 0 is the
+        lattice's native; their s is still log_softmax(z_i) (σ adds the lattice term after the selected
+        predecessor itself). p = y_{i-1} teacher-forced (prefix_ids (N, n), training), else the previous
+        position's lattice native (inference: the pool is fixed before the selector walks)."""
+        N, n, _ = logits.shape
+        k, dtype = self.config.pool_size, self.reader.A.weight.dtype
+        logprobs = torch.log_softmax(wide(logits), dim=-1)
+        hidden = hidden.to(dtype)
+        if prefix_ids is not None:
+            prev = torch.cat([anchor_ids.reshape(N, 1), prefix_ids[:, : n - 1].clamp(min=0)], dim=1)
+            pool_ids = (logprobs + self.lattice.vocabulary(prev, hidden)).topk(k, dim=-1).indices
+        else:
+            columns, prev = [], anchor_ids.reshape(N)
+            for i in range(n):
+                corrected = logprobs[:, i] + self.lattice.vocabulary(prev[:, None], hidden[:, i: i + 1])[:, 0]
+                columns.append(corrected.topk(k, dim=-1).indices)  # (N, k)
+                prev = columns[-1][:, 0]
+            pool_ids = torch.stack(columns, dim=1)
+        return pool_ids, logprobs.gather(-1, pool_ids)
+
     # ------------------------------------------------------------------ the repair-method interface
     def joint_loss(self, drafter, hidden, labels, anchor_ids, *, gamma, progress):
         """L = w_ce·CE + λ_s·(hinge + reader BCE) + λ_r·ω-weighted repair CE (`drelay_loss_from_terms`): the
@@ -373,23 +414,51 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         k = self.config.pool_size
         hinge_gamma = gamma if cfg.hinge_position_weighted else None
         weight = drafter.shared.lm_head.weight
+        logits = None
         if self.ops.fused:
             normed = drafter.norm(hidden).to(weight.dtype)
             ce, hinge, pool_ids, pool_logprobs = self.ops.support_loss(normed, weight, labels, k, gamma,
                                                                        cfg.hinge_margin, hinge_gamma)
-            z_pool = (normed[..., None, :] * weight[pool_ids]).sum(-1) if cfg.coadapt else None
         else:
             logits = drafter.logits(hidden)  # (..., n, V)
             ce, _ = dflash_ce(logits, labels, gamma)
             hinge = support_hinge(logits, labels, k, cfg.hinge_margin, hinge_gamma)
             pool_ids, pool_logprobs = candidate_pool(logits.detach(), k)  # (..., n, k)
-            z_pool = logits.gather(-1, pool_ids) if cfg.coadapt else None
+        if logits is None and (self.config.lattice_pool or (cfg.lattice_ce and self.lattice is not None)):
+            with torch.no_grad():  # the fused op never made the logits: the lattice's terms need them
+                logits = F.linear(normed, weight)
+        if self.config.lattice_pool:  # teacher-forced: the pool after the true predecessor
+            n, lead = labels.shape[-1], labels.shape[:-1]
+            with torch.no_grad():
+                pool_ids, pool_logprobs = self.lattice_pool(logits.detach().reshape(-1, n, logits.shape[-1]),
+                                                            hidden.detach().reshape(-1, n, hidden.shape[-1]),
+                                                            anchor_ids.reshape(-1), labels.reshape(-1, n))
+            pool_ids, pool_logprobs = pool_ids.view(*lead, n, k), pool_logprobs.view(*lead, n, k)
+        z_pool = None
+        if cfg.coadapt:
+            z_pool = (normed[..., None, :] * weight[pool_ids]).sum(-1) if self.ops.fused else logits.gather(-1, pool_ids)
         scores = pool_logprobs if z_pool is None else pool_logprobs + wide(z_pool - z_pool.detach())
         sigma, support = self.score(hidden, pool_ids, pool_logprobs, anchor_ids, labels, scores=scores)
-        return drelay_loss_from_terms(ce, hinge, labels, sigma, support, pool_ids,
-                                      lambda_support=cfg.lambda_support, lambda_repair=cfg.lambda_repair, eps=cfg.eps,
-                                      ce_weight=1.0 + (cfg.ce_weight_final - 1.0) * progress,
-                                      repair_weight=cfg.repair_weight, omega=cfg.omega)
+        loss, terms = drelay_loss_from_terms(ce, hinge, labels, sigma, support, pool_ids,
+                                             lambda_support=cfg.lambda_support, lambda_repair=cfg.lambda_repair,
+                                             eps=cfg.eps, ce_weight=1.0 + (cfg.ce_weight_final - 1.0) * progress,
+                                             repair_weight=cfg.repair_weight, omega=cfg.omega)
+        if cfg.lattice_ce and self.lattice is not None:
+            lattice_ce = self.lattice_ce(hidden, logits.detach(), labels, anchor_ids, gamma)
+            loss = loss + cfg.lattice_ce * lattice_ce
+            terms = {**terms, "loss": loss.detach(), "lattice_ce": lattice_ce.detach()}
+        return loss, terms
+
+    def lattice_ce(self, hidden, logits, labels, anchor_ids, gamma: float) -> torch.Tensor:
+        """The lattice's vocabulary-wide CE: softmax over all V of z_i (detached) + L_i(y_{i-1}, ·) against y_i,
+        position-weighted like the DFlash CE. Teacher-forced on the true predecessors (y_0 = the anchor).
+        It trains every row of P and S (the pool-only σ reaches just the rows of pool tokens), so the lattice
+        learns the drafter's residual bigram as DSpark's head does; σ then reads it over the pool.
+        hidden (..., n, H), logits (..., n, V), labels (..., n), anchor_ids (...)."""
+        n = labels.shape[-1]
+        prev = torch.cat([anchor_ids.reshape(-1, 1), labels.reshape(-1, n)[:, : n - 1].clamp(min=0)], dim=1)
+        bigram = self.lattice.vocabulary(prev, hidden.reshape(-1, n, hidden.shape[-1]).to(self.reader.A.weight.dtype))
+        return dflash_ce(wide(logits).reshape(bigram.shape) + bigram, labels.reshape(-1, n), gamma)[0]
 
     def tune(self, score: Score) -> dict[float, float]:
         """δ with the highest held-out replay τ among settings.repair_margins (ties: the δ closest to 0,
@@ -488,10 +557,15 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         """
         if repair_margin is None:
             repair_margin = self.config.repair_margin
-        pool_ids = block.pool_ids
-        g, _, g_anchor, table = self.read(block.hidden, pool_ids, block.pool_logprobs, block.anchor_ids)
+        if self.config.lattice_pool:
+            if block.logits is None:
+                raise RelayError("a lattice-pool relay needs the block's logits (the engine gives them: needs_logits)")
+            pool_ids, pool_logprobs = self.lattice_pool(block.logits, block.hidden, block.anchor_ids)
+        else:
+            pool_ids, pool_logprobs = block.pool_ids, block.pool_logprobs
+        g, _, g_anchor, table = self.read(block.hidden, pool_ids, pool_logprobs, block.anchor_ids)
         sel = self.selector
-        terms = sel.candidate_terms(g, block.pool_logprobs)  # the candidate-only parts of σ, once
+        terms = sel.candidate_terms(g, pool_logprobs)  # the candidate-only parts of σ, once
         # the prefix input each candidate would feed if chosen (chosen tokens are always in the pool)
         chosen_inputs = sel.prefix_inputs(self.embed(pool_ids), pool_ids, g)
         anchor = self.anchor_input(block.anchor_ids, g_anchor)  # (b, 1, d)

@@ -198,7 +198,7 @@ def test_save_load_keeps_the_repair_margin_and_never_saves_the_embedding(tmp_pat
         DRelay(relay.config).double().select(block)
     with pytest.raises(ValueError, match="vocab_size"):
         RelayConfig(hidden_size=H, lattice_rank=4)
-    with pytest.raises(ValueError, match="lattice_messages needs"):
+    with pytest.raises(ValueError, match="lattice_messages, lattice_bigram and lattice_pool need"):
         RelayConfig(hidden_size=H, vocab_size=V, token_rank=4, lattice_messages=True)
     # a relay saved before δ was renamed (config.json says "margin") loads with its δ
     config_file = tmp_path / "relay" / "config.json"

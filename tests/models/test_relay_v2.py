@@ -13,10 +13,10 @@ import torch
 
 from drelay.config import DRelayLiteSettings, DRelaySettings, JointConfig, load_params, to_dict
 from drelay.data.records import make_batch
-from drelay.kernels.reference import lattice_messages
+from drelay.kernels.reference import candidate_pool, dflash_ce, lattice_messages
 from drelay.models.drafter import BlockDrafter
 from drelay.models.methods import create_method
-from drelay.models.relay import DRelay, DRelayLite
+from drelay.models.relay import DRelay, DRelayLite, Lattice
 from drelay.models.relay_loss import prefix_weights, reachable_positions
 from drelay.training.distill import generate_batch
 from drelay.training.trainer import block_hidden
@@ -112,7 +112,7 @@ def test_co_adaptation_lets_the_repair_loss_shape_the_backbones_logits(coadapt):
     σ is zero (the MLP's last layer, S), so without co-adaptation the backbone learns nothing from the
     repair loss at all (diagnosis 3 of the v2 issue)."""
     settings = DRelaySettings(reader_dim=32, reader_heads=4, coadapt=coadapt, lambda_support=0.0,
-                              ce_weight_final=0.0)
+                              ce_weight_final=0.0, lattice_ce=0.0)
     drafter, relay, batch = _joint(settings)
     loss, terms = relay.joint_loss(drafter, block_hidden(drafter, batch), batch.labels, batch.anchor_ids, gamma=4.0,
                                    progress=1.0)  # w_ce = ce_weight_final = 0
@@ -122,8 +122,87 @@ def test_co_adaptation_lets_the_repair_loss_shape_the_backbones_logits(coadapt):
         assert (param.grad is not None and float(param.grad.abs().sum()) > 0) == coadapt
 
 
+@pytest.mark.parametrize("weight", [0.0, 1.0])
+def test_the_vocabulary_wide_lattice_ce_trains_rows_of_tokens_outside_every_pool(weight):
+    """σ reads the lattice over the pools only, so the repair loss reaches just the successor rows S[c] of pool
+    tokens; the lattice CE (softmax over all V of z + L) reaches every row, as DSpark's bigram is trained. Its
+    value is the position-weighted CE of z + L, which at the start (S = 0) is the drafter's own CE."""
+    settings = DRelaySettings(reader_dim=32, reader_heads=4, lattice_ce=weight)
+    drafter, relay, batch = _joint(settings)
+    hidden = block_hidden(drafter, batch)
+    loss, terms = relay.joint_loss(drafter, hidden, batch.labels, batch.anchor_ids, gamma=4.0, progress=0.0)
+    loss.backward()
+    pool_ids, _ = candidate_pool(drafter.logits(hidden).detach(), relay.config.pool_size)
+    outside = torch.ones(relay.config.vocab_size, dtype=torch.bool)
+    outside[pool_ids.flatten()] = False
+    grad = relay.lattice.successor.grad[outside].abs().sum(-1)  # (tokens in no pool,)
+    assert bool(outside.any())
+    if weight:
+        assert bool((grad > 0).all())
+        ce, _ = dflash_ce(drafter.logits(hidden), batch.labels, 4.0)
+        torch.testing.assert_close(terms["lattice_ce"], ce.detach(), rtol=1e-5, atol=1e-5)
+    else:
+        assert float(grad.sum()) == 0.0 and "lattice_ce" not in terms
+
+
+def test_a_bigram_lattice_holds_a_term_of_the_tokens_alone_that_the_hidden_state_modulates():
+    """lattice_bigram: with W_h zeroed, L_i(p, c) is the plain low-rank bigram <P[p], S[c]>/√r (W_h's bias starts
+    at 1), the same at every position whatever h_i; the bias-free lattice is zero there. Every lattice term
+    (teacher-forced, over the pools, over the vocabulary) is the same function."""
+    torch.manual_seed(0)
+    N, n, k, H, r = 2, 3, 4, 16, 8
+    for bigram in (False, True):
+        lattice = Lattice(V, H, r, bigram)
+        torch.nn.init.normal_(lattice.successor)
+        torch.nn.init.zeros_(lattice.hidden_proj.weight)
+        prev, hidden = torch.randint(0, V, (N, n)), torch.randn(N, n, H)
+        full = lattice.vocabulary(prev, hidden)  # (N, n, V)
+        expected = lattice.predecessor[prev] @ lattice.successor.T / r ** 0.5 if bigram else torch.zeros(N, n, V)
+        torch.testing.assert_close(full, expected)
+        pool = torch.randint(0, V, (N, n, k))
+        torch.testing.assert_close(lattice.forced(prev, hidden, pool), full.gather(-1, pool))
+        anchor = torch.randint(0, V, (N,))
+        table = lattice.table(anchor, pool, hidden)  # (N, n, k, k): row p = pool_{i-1, p}
+        torch.testing.assert_close(table[:, 1:, 2], lattice.forced(pool[:, :-1, 2], hidden[:, 1:], pool[:, 1:]))
+    assert Lattice(V, H, r, True).hidden_proj.bias.eq(1).all()
+
+
+def test_a_lattice_pool_is_the_top_k_of_the_corrected_logits_after_its_own_natives():
+    """lattice_pool: with S = 0 the pool is exactly the drafter's (ids and log-probs); with a trained lattice the
+    pool reaches tokens outside z's top-k, its s stays log_softmax(z), inference builds each position's pool
+    after the previous position's lattice native, and teacher-forcing those natives gives the same pools.
+    joint_loss trains on the pools after the true tokens; select returns tokens of its own pools."""
+    settings = DRelaySettings(reader_dim=32, reader_heads=4, lattice_rank=8, lattice_pool=True, lattice_bigram=True)
+    drafter, relay, batch = _joint(settings)
+    assert relay.needs_logits and relay.config.lattice_pool
+    hidden = block_hidden(drafter, batch)  # (b, nA, n, H)
+    b, nA, n, H = hidden.shape
+    logits = drafter.logits(hidden).detach().reshape(b * nA, n, -1)
+    hidden, anchors = hidden.detach().reshape(b * nA, n, H), batch.anchor_ids.reshape(-1)
+    with torch.no_grad():
+        plain_ids, plain_lp = candidate_pool(logits, relay.config.pool_size)
+        ids, lp = relay.lattice_pool(logits, hidden, anchors)
+        assert torch.equal(ids, plain_ids) and torch.allclose(lp, plain_lp)
+        torch.nn.init.normal_(relay.lattice.successor, std=10.0)
+        ids, lp = relay.lattice_pool(logits, hidden, anchors)
+        assert not bool((ids[..., :, None] == plain_ids[..., None, :]).any(-1).all())  # tokens outside z's top-k
+        torch.testing.assert_close(lp, torch.log_softmax(logits, -1).gather(-1, ids))
+        forced, _ = relay.lattice_pool(logits, hidden, anchors, prefix_ids=ids[..., 0])
+        assert torch.equal(forced, ids)
+    loss, terms = relay.joint_loss(drafter, block_hidden(drafter, batch), batch.labels, batch.anchor_ids, gamma=4.0,
+                                   progress=0.0)
+    loss.backward()
+    assert bool(torch.isfinite(loss)) and float(relay.lattice.successor.grad.abs().sum()) > 0
+    from drelay.models.repair import DraftBlock
+    block = DraftBlock(anchors, anchors * 0, hidden, logits, plain_ids, plain_lp)
+    tokens = relay.select(block)
+    assert bool((ids == tokens[..., None]).any(-1).all())  # every choice is from the relay's own pool
+    with pytest.raises(Exception, match="logits"):
+        relay.select(DraftBlock(anchors, anchors * 0, hidden, None, plain_ids, plain_lp))
+
+
 def test_the_ce_weight_falls_to_its_final_value_over_training():
-    drafter, relay, batch = _joint(DRelaySettings(reader_dim=32, reader_heads=4, ce_weight_final=0.25))
+    drafter, relay, batch = _joint(DRelaySettings(reader_dim=32, reader_heads=4, ce_weight_final=0.25, lattice_ce=0.0))
     hidden = block_hidden(drafter, batch)
     totals = {}
     for progress in (0.0, 1.0):
