@@ -92,7 +92,9 @@ class DecodeConfig:
         _require(self.sampling_rule in SAMPLING_RULES, "sampling_rule", rules, self.sampling_rule)
 
 
-TRAIN_SOURCES = ("gsm8k", "mbpp", "self_instruct", "codealpaca")
+TRAIN_SOURCES = ("gsm8k", "mbpp", "self_instruct", "codealpaca")  # files in the mirror
+WRITTEN_SOURCE = "written"  # prompts the target writes itself (data.writer)
+SOURCE_DOMAINS = {"gsm8k": "math", "mbpp": "code", "self_instruct": "chat", "codealpaca": "code"}
 BENCHMARKS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "mt_bench", "alpaca")
 
 
@@ -111,22 +113,100 @@ class RunConfig:
 
 
 @dataclass(frozen=True)
+class DomainMix:
+    """Share of each prompt domain among the training prompts (data.mix); the shares sum to 1."""
+
+    math: float = 0.4  # GSM8K train (+ written maths questions)
+    code: float = 0.3  # MBPP train/validation, CodeAlpaca when opted in, written code requests
+    chat: float = 0.3  # self-instruct seed tasks, written chat/writing/advice requests
+
+    def __post_init__(self) -> None:
+        for domain in DOMAINS:
+            _require(getattr(self, domain) >= 0, domain, ">= 0", getattr(self, domain))
+
+    def shares(self) -> dict[str, float]:
+        return {domain: getattr(self, domain) for domain in DOMAINS}
+
+
+@dataclass(frozen=True)
+class DomainCounts:
+    """How many prompts the target writes per domain (data.writer.prompts), before filtering."""
+
+    math: int = 0
+    code: int = 0
+    chat: int = 0
+
+    def __post_init__(self) -> None:
+        for domain in DOMAINS:
+            _require(getattr(self, domain) >= 0, domain, ">= 0", getattr(self, domain))
+
+    def counts(self) -> dict[str, int]:
+        return {domain: getattr(self, domain) for domain in DOMAINS}
+
+
+DOMAINS = tuple(f.name for f in dataclasses.fields(DomainMix))  # math, code, chat
+assert DOMAINS == tuple(f.name for f in dataclasses.fields(DomainCounts))
+assert set(SOURCE_DOMAINS.values()) <= set(DOMAINS)
+
+
+@dataclass(frozen=True)
+class WriterConfig:
+    """Prompts the target writes itself (DESIGN §2, the Magpie recipe): the chat template up to a user
+    turn, with a system line naming a domain, and the target writes the user's request."""
+
+    prompts: DomainCounts = field(default_factory=DomainCounts)  # requests to write per domain (all 0: none)
+    temperature: float = 0.8  # sampling temperature (seeded by run.seed); 0 would write one request per line
+    max_new_tokens: int = 96  # a request not finished within this many tokens is dropped (unfinished)
+    batch_size: int = 16  # requests written together
+
+    def __post_init__(self) -> None:
+        _require(self.temperature > 0, "temperature", "> 0 (greedy writes the same request for a line)",
+                 self.temperature)
+        _require(self.max_new_tokens >= 1, "max_new_tokens", ">= 1", self.max_new_tokens)
+        _require(self.batch_size >= 1, "batch_size", ">= 1", self.batch_size)
+
+    @property
+    def total(self) -> int:
+        return sum(self.prompts.counts().values())
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Training prompts and benchmark sets (prepare_data)."""
 
     mirror: str = "../shared"  # offline copies (benchmarks/, train_prompts/); relative to the repo root
     train_sources: tuple[str, ...] = ("gsm8k", "mbpp", "self_instruct")  # codealpaca: CC BY-NC, opt in
-    max_train_prompts: int = 2000  # cap after shuffling (0 = all)
+    mix: DomainMix = field(default_factory=DomainMix)  # domain shares of the train + val prompts
+    max_train_prompts: int = 2000  # after mixing (0 = every kept prompt, mix ignored)
     val_prompts: int = 64  # held out from the training prompts (early stopping, replay/live tau)
     max_prompt_chars: int = 2000  # longer prompts are dropped
+    # Near-duplicates: Jaccard of word-shingle sets >= near_dup_threshold. Word pairs at 0.5 caught 98% of
+    # benchmark turns with one word changed (90% with two) and flagged 3 GSM8K train / 99 MBPP train prompts
+    # (templated "Write a function to ...") as near a benchmark's; 3-word shingles caught 93% / 80%.
+    near_dup_threshold: float = 0.5
+    shingle_words: int = 2  # words per shingle (a shorter text is one shingle)
+    writer: WriterConfig = field(default_factory=WriterConfig)  # prompts the target writes (needs the target)
     out_dir: str = "data/prepared"  # train.jsonl, val.jsonl, benchmarks/<name>.jsonl
 
     def __post_init__(self) -> None:
         for source in self.train_sources:
             _require(source in TRAIN_SOURCES, "train_sources", f"a list from {', '.join(TRAIN_SOURCES)}", source)
         _require(len(self.train_sources) >= 1, "train_sources", "non-empty", self.train_sources)
+        _require(_distinct(self.train_sources), "train_sources", "a list of distinct names", self.train_sources)
+        shares = self.mix.shares()
+        _require(abs(sum(shares.values()) - 1) < 1e-6, "mix", "shares that sum to 1",
+                 f"{shares} (sum {sum(shares.values()):g})")
+        written = self.writer.prompts.counts()
+        for domain, share in shares.items():
+            sources = [s for s in self.train_sources if SOURCE_DOMAINS[s] == domain]
+            _require(share == 0 or sources or written[domain] > 0, f"mix.{domain}",
+                     f"0 when no source gives {domain} prompts (train_sources: {', '.join(self.train_sources)}; "
+                     f"writer.prompts.{domain}: {written[domain]})", share)
         _require(self.max_train_prompts >= 0, "max_train_prompts", ">= 0", self.max_train_prompts)
         _require(self.val_prompts >= 1, "val_prompts", ">= 1", self.val_prompts)
+        _require(self.max_prompt_chars >= 1, "max_prompt_chars", ">= 1", self.max_prompt_chars)
+        _require(0 < self.near_dup_threshold <= 1, "near_dup_threshold", "in (0, 1]", self.near_dup_threshold)
+        _require(self.shingle_words >= 1, "shingle_words", ">= 1", self.shingle_words)
 
 
 @dataclass(frozen=True)
@@ -135,7 +215,7 @@ class DistillConfig:
 
     max_new_tokens: int = 256  # response budget per prompt
     max_prompt_tokens: int = 384  # prompts longer than this (after the chat template) are skipped
-    batch_size: int = 16  # prompts generated together (left-padded)
+    batch_size: int = 64  # prompts generated together; more rows use the CPU better (benchmarks/distill_throughput.py)
     temperature: float = 0.0  # 0 = greedy, the usual setting for distillation
     shard_size: int = 128  # sequences per shard file (the unit of resume)
     feature_dtype: str = "bfloat16"  # dtype the context features are stored in

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import contextvars
 import json
 import math
 import os
@@ -85,9 +86,31 @@ def apply_run_settings(params) -> None:
         torch.set_num_threads(params.run.threads)
 
 
+# When the running stage started (time.perf_counter()), while `stage_clock` is open; None outside a stage.
+_STAGE_START: contextvars.ContextVar[float | None] = contextvars.ContextVar("stage_start", default=None)
+
+
+@contextlib.contextmanager
+def stage_clock() -> Iterator[None]:
+    """Times a stage (`stage_main` and `pipelines.tracking.stage_run` open it): metrics written inside get the stage's
+    wall time so far as top-level `wall_s`. A nested clock keeps the outer start."""
+    if _STAGE_START.get() is not None:
+        yield
+        return
+    token = _STAGE_START.set(time.perf_counter())
+    try:
+        yield
+    finally:
+        _STAGE_START.reset(token)
+
+
 def write_metrics(stage: str, metrics: dict, root: str | Path = Path(".")) -> Path:
     """Write `<root>/metrics/<stage>.json` (a DVC metrics file) atomically: a reader or an
-    interrupted run never sees half a file."""
+    interrupted run never sees half a file. Inside a stage (`stage_clock`) it records top-level
+    `wall_s`, the seconds since the stage started (replacing any `wall_s` the stage measured)."""
+    start = _STAGE_START.get()
+    if start is not None:
+        metrics = {**metrics, "wall_s": time.perf_counter() - start}
     out = Path(root) / "metrics" / f"{stage}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(_rounded(metrics), sort_keys=True, indent=2) + "\n"
@@ -111,6 +134,7 @@ def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None,
     The params file and overrides are validated before the flow starts, so a typo is one
     `error: ...` line and exit code 2 (no traceback, no Prefect server start-up); so are the stage's
     inputs when it gives `precheck(params, **options)`, which raises FileNotFoundError naming what is missing.
+    The stage's clock (`wall_s` in its metrics) starts after that, before the Prefect server it may start.
     """
     parser = argparse.ArgumentParser(description=(flow_fn.__doc__ or "").strip().split("\n")[0])
     parser.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
@@ -124,7 +148,7 @@ def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None,
         params = load_params(args.params, args.overrides)
         if precheck is not None:
             precheck(params, **extra)
-        with prefect_api() if _is_prefect_flow(flow_fn) else contextlib.nullcontext():
+        with stage_clock(), prefect_api() if _is_prefect_flow(flow_fn) else contextlib.nullcontext():
             return flow_fn(params_path=args.params, overrides=args.overrides, **extra)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)

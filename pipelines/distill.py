@@ -13,6 +13,7 @@ from prefect import flow  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from drelay.config import load_params  # noqa: E402
+from drelay.data.datacard import response_tokens_by_group  # noqa: E402
 from drelay.io import read_jsonl  # noqa: E402
 from drelay.models.target import Target, context_layer_ids  # noqa: E402
 from drelay.training.distill import distill, encode_prompts  # noqa: E402
@@ -50,6 +51,8 @@ def distill_flow(params_path: str = "params.yaml", overrides: list[str] | None =
         bar.close()
         metrics = {**summary, "prompts": len(prompts), "prompts_too_long": dropped,
                    "wall_s": time.perf_counter() - t0}
+        groups = {tuple(target.encode_chat(r["messages"])): (r["source"], r.get("domain", "")) for r in records}
+        metrics |= response_tokens_by_group(cfg.out_dir, groups)  # the data card's tokens per source/domain
         tracker.log_metrics(metrics)
         write_metrics(STAGE, metrics)
     return metrics

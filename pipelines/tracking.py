@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from pipelines.common import REPO_ROOT, configure_environment
+from pipelines.common import REPO_ROOT, configure_environment, stage_clock
 
 configure_environment()  # before mlflow is imported: it reads MLFLOW_DISABLE_TELEMETRY early
 
@@ -108,7 +108,15 @@ class Tracker:
 @contextmanager
 def stage_run(stage: str, params: Any, sections: list[str]) -> Iterator[Tracker]:
     """An MLflow run named `stage` in experiment `drelay-<profile>`, logging the flattened params
-    of `sections`; FINISHED on normal exit, FAILED (KILLED on Ctrl-C) if the block raises."""
+    of `sections`; FINISHED on normal exit, FAILED (KILLED on Ctrl-C) if the block raises. The block
+    is the stage's clock: `write_metrics` inside it records the stage's `wall_s`."""
+    with stage_clock():
+        with _mlflow_run(stage, params, sections) as tracker:
+            yield tracker
+
+
+@contextmanager
+def _mlflow_run(stage: str, params: Any, sections: list[str]) -> Iterator[Tracker]:
     logged = stage_params(params, sections)  # a bad section name fails before any run exists
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)  # also for any fluent mlflow call a stage makes

@@ -238,3 +238,25 @@ def test_eval_per_benchmark_mappings(tmp_path):
             load_params(write(tmp_path, text))
     narrow = write(tmp_path, "eval:\n  benchmarks: [gsm8k]\n  samples: {gsm8k: 4}\n")
     assert load_params(narrow).eval.samples == {"gsm8k": 4}  # only the listed benchmarks need an entry
+
+
+def test_data_mix_and_writer_errors_name_the_key(tmp_path):
+    cfg = load_params(write(tmp_path, "data:\n  mix: {math: 0.5, code: 0.5, chat: 0.0}\n"
+                                      "  writer: {prompts: {code: 4}, temperature: 1.0}\n")).data
+    assert cfg.mix.shares() == {"math": 0.5, "code": 0.5, "chat": 0.0} and cfg.writer.prompts.counts()["code"] == 4
+    assert cfg.writer.total == 4 and load_params(write(tmp_path, "")).data.writer.total == 0
+    cases = {
+        "data:\n  mix: {math: 0.5, code: 0.3, chat: 0.3}\n": "data.mix must be shares that sum to 1",
+        "data:\n  mix: {math: 1.2, code: -0.2, chat: 0.0}\n": "data.mix.code must be >= 0, got -0.2",
+        "data:\n  mix: {maths: 0.4}\n": "unknown key 'maths' in section 'data.mix'",
+        "data:\n  train_sources: [gsm8k, mbpp]\n": "data.mix.chat must be 0 when no source gives chat prompts",
+        "data:\n  writer: {temperature: 0}\n": "data.writer.temperature must be > 0",
+        "data:\n  writer: {prompts: {chat: -1}}\n": "data.writer.prompts.chat must be >= 0, got -1",
+        "data:\n  near_dup_threshold: 0\n": "data.near_dup_threshold must be in (0, 1]",
+    }
+    for text, message in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_params(write(tmp_path, text))
+    # a chat share with no chat source is fine once the target writes chat prompts
+    ok = "data:\n  train_sources: [gsm8k, mbpp]\n  writer: {prompts: {chat: 8}}\n"
+    assert load_params(write(tmp_path, ok)).data.writer.prompts.chat == 8

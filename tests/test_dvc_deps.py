@@ -102,7 +102,8 @@ def test_every_stage_depends_on_exactly_the_code_it_imports():
 def test_the_check_catches_a_missing_and_a_stale_dep(tmp_path):
     """The check can fail both ways: a stage whose deps miss a module it imports, or list one it does not."""
     text = (ROOT / "dvc.yaml").read_text()
-    missing = text.replace("      - drelay/training/distill.py\n", "", 1)  # the distill stage's first
+    head, distill_on = text.split("\n  distill:\n", 1)
+    missing = f"{head}\n  distill:\n" + distill_on.replace("      - drelay/training/distill.py\n", "", 1)  # distill's own
     assert missing != text
     (tmp_path / "missing.yaml").write_text(missing)
     assert coverage_problems(tmp_path / "missing.yaml") == [
@@ -129,9 +130,10 @@ def _fake_outputs(repo: Path) -> None:
     joint_out = params["joint"]["common"]["out_dir"]
     files = ["models/target/config.json", "data/prepared/train.jsonl", "data/prepared/val.jsonl",
              "data/prepared/benchmarks/gsm8k.jsonl", "data/distilled/manifest.json", "models/drafter/config.json",
-             "reports/train_dflash.png", "data/eval/cells.json", "reports/eval.md", "reports/eval_tau.png",
-             "reports/eval_acceptance.png", "reports/eval_repair.png", "metrics/prepare_target.json",
-             "metrics/prepare_data.json", "metrics/distill.json", "metrics/train_dflash.json", "metrics/eval.json"]
+             "reports/train_dflash.png", "data/eval/cells.json", "reports/data_card.md", "reports/eval.md",
+             "reports/eval_tau.png", "reports/eval_acceptance.png", "reports/eval_repair.png",
+             "metrics/prepare_target.json", "metrics/prepare_data.json", "metrics/distill.json",
+             "metrics/train_dflash.json", "metrics/eval.json"]
     for method in params["joint"]["methods"]:
         files += [f"{joint_out}/{method}/drafter/config.json", f"reports/joint_{method}.png",
                   f"metrics/joint_{method}.json"]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
-from pipelines.common import REPO_ROOT, resolve_from_repo, stage_main, write_metrics
+from pipelines.common import REPO_ROOT, resolve_from_repo, stage_clock, stage_main, write_metrics
 
 def run_stage(*args: str, capsys) -> tuple[int, list, str]:
     """stage_main with a flow that only records its calls: what happens before the flow is the point.
@@ -93,6 +94,29 @@ def test_write_metrics_sorted_rounded_atomic(tmp_path):
     write_metrics("eval", {"tau": 1.0}, root=tmp_path)  # replaced whole, no temp files left
     assert json.loads(path.read_text()) == {"tau": 1.0}
     assert [p.name for p in path.parent.iterdir()] == ["eval.json"]
+
+
+def test_metrics_written_in_a_stage_record_its_wall_time(tmp_path):
+    assert "wall_s" not in json.loads(write_metrics("plain", {"n": 1}, root=tmp_path).read_text())
+    with stage_clock():
+        time.sleep(0.05)
+        with stage_clock():  # nested (stage_main around stage_run): the outer start counts
+            time.sleep(0.05)
+            path = write_metrics("timed", {"n": 1, "wall_s": 0.001}, root=tmp_path)
+    written = json.loads(path.read_text())
+    assert written["n"] == 1 and 0.1 <= written["wall_s"] < 5  # the stage's own wall_s is replaced
+    assert "wall_s" not in json.loads(write_metrics("after", {"n": 1}, root=tmp_path).read_text())
+
+
+def test_stage_main_times_the_whole_flow(tmp_path):
+    (tmp_path / "params.yaml").write_text("")
+
+    def flow_fn(params_path, overrides):
+        time.sleep(0.1)  # e.g. loading the model before the stage's own timer started
+        return write_metrics("stage", {"n": 1}, root=tmp_path)
+
+    path = stage_main(flow_fn, ["--params", str(tmp_path / "params.yaml")])
+    assert json.loads(path.read_text())["wall_s"] >= 0.1
 
 
 def test_resolve_from_repo(tmp_path):

@@ -95,6 +95,32 @@ def env(subprocess_env, tmp_path_factory, prefect_server):
     return {**subprocess_env, "MLFLOW_TRACKING_URI": uri, "PREFECT_API_URL": prefect_server}
 
 
+def _check_prepared_data(repo: Path) -> None:
+    """prepare_data's card (the target's own prompts asked for) and distill's tokens per source; no prepared
+    prompt equals or nearly equals a benchmark turn, checked by brute force over the stage's own outputs."""
+    from drelay.config import load_params
+    from drelay.data.dedup import normalize, shingles
+
+    cfg = load_params(repo / "params.yaml").data
+    card = json.loads((repo / "metrics/prepare_data.json").read_text())
+    assert card["written.requested"] == cfg.writer.total > 0 and card["wall_s"] > 0
+    assert card["train.total"] == cfg.max_train_prompts and (repo / "reports/data_card.md").is_file()
+    distilled = json.loads((repo / "metrics/distill.json").read_text())
+    per_source = {k: v for k, v in distilled.items() if k.startswith("response_tokens.source.")}
+    assert sum(per_source.values()) == distilled["response_tokens"] and "response_tokens.source.gsm8k" in per_source
+    prepared = repo / cfg.out_dir
+    texts = [json.loads(line)["messages"][0]["content"] for name in ("train", "val")
+             for line in (prepared / f"{name}.jsonl").read_text().splitlines()]
+    turns = [t for path in (prepared / "benchmarks").glob("*.jsonl")
+             for line in path.read_text().splitlines() for t in json.loads(line)["turns"]]
+    bench = [shingles(normalize(t), cfg.shingle_words) for t in turns]
+    bench_exact = {normalize(t) for t in turns}
+    for text in texts:
+        grams = shingles(normalize(text), cfg.shingle_words)
+        assert normalize(text) not in bench_exact and max(len(grams & b) / len(grams | b) for b in bench) < \
+            cfg.near_dup_threshold, text
+
+
 def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     repo, uri = smoke_repo, env["MLFLOW_TRACKING_URI"]
     log = _dvc(repo, env, "repro")
@@ -106,6 +132,7 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
                  *(f"models/joint/{head}/head/model.safetensors" for head in HEADS),
                  *(f"metrics/{METRICS.get(s, s)}.json" for s in STAGES)):
         assert (repo / path).is_file(), path
+    _check_prepared_data(repo)
     trained = json.loads((repo / "metrics/train_dflash.json").read_text())
     assert trained["replay_tau"] >= 1 and trained["oracle_tau"] >= trained["replay_tau"]
     assert trained["live_tau"] >= 1 and trained["live_identical_rate"] == 1.0  # fp32 smoke target

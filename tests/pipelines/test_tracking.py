@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+import time
 
 import pytest
 from matplotlib.figure import Figure
 from mlflow.tracking import MlflowClient
 
 from drelay.config import load_params
-from pipelines.common import REPO_ROOT
+from pipelines.common import REPO_ROOT, write_metrics
 from pipelines.tracking import stage_run
 
 # MLflow 3.17 itself trips a SQLAlchemy deprecation when it opens a sqlite store.
@@ -34,7 +36,7 @@ def make_params(tmp_path, profile: str):
     """Each test its own profile, so its own experiment in the shared store."""
     path = tmp_path / "params.yaml"
     path.write_text(f"run:\n  profile: {profile}\ndistill:\n  batch_size: 3\n"
-                    "data:\n  train_sources: [gsm8k, mbpp]\n")
+                    "data:\n  train_sources: [gsm8k, mbpp]\n  mix: {math: 0.5, code: 0.5, chat: 0.0}\n")
     return load_params(path)
 
 
@@ -75,6 +77,16 @@ def test_stage_run_logs_params_tags_metrics_artifacts(tmp_path, store_dir, store
     local = store_dir / "mlartifacts" / "drelay-tiny" / tracker.run_id / "artifacts"
     assert (local / "extra" / "notes.txt").read_text() == "hello"
     assert (local / "plots" / "loss.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_stage_run_is_the_stages_clock(tmp_path, store):
+    (tmp_path / "params.yaml").write_text("run:\n  profile: clock\n")
+    params = load_params(tmp_path / "params.yaml")
+    with stage_run("distill", params, ["distill"]):
+        time.sleep(0.1)
+        path = write_metrics("distill", {"sequences": 3}, root=tmp_path)
+    written = json.loads(path.read_text())
+    assert written["sequences"] == 3 and 0.1 <= written["wall_s"] < 60
 
 
 def test_exception_leaves_run_failed(tmp_path, store):
