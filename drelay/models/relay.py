@@ -425,8 +425,8 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
             hinge = support_hinge(logits, labels, k, cfg.hinge_margin, hinge_gamma)
             pool_ids, pool_logprobs = candidate_pool(logits.detach(), k)  # (..., n, k)
         if logits is None and (self.config.lattice_pool or (cfg.lattice_ce and self.lattice is not None)):
-            with torch.no_grad():  # the fused op never made the logits: the lattice's terms need them
-                logits = F.linear(normed, weight)
+            with torch.set_grad_enabled(cfg.lattice_coadapt and torch.is_grad_enabled()):  # the fused op never
+                logits = F.linear(normed, weight)  # made the logits: the lattice's terms need them
         if self.config.lattice_pool:  # teacher-forced: the pool after the true predecessor
             n, lead = labels.shape[-1], labels.shape[:-1]
             with torch.no_grad():
@@ -444,13 +444,15 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
                                              eps=cfg.eps, ce_weight=1.0 + (cfg.ce_weight_final - 1.0) * progress,
                                              repair_weight=cfg.repair_weight, omega=cfg.omega)
         if cfg.lattice_ce and self.lattice is not None:
-            lattice_ce = self.lattice_ce(hidden, logits.detach(), labels, anchor_ids, gamma)
+            lattice_ce = self.lattice_ce(hidden, logits if cfg.lattice_coadapt else logits.detach(), labels,
+                                         anchor_ids, gamma)
             loss = loss + cfg.lattice_ce * lattice_ce
             terms = {**terms, "loss": loss.detach(), "lattice_ce": lattice_ce.detach()}
         return loss, terms
 
     def lattice_ce(self, hidden, logits, labels, anchor_ids, gamma: float) -> torch.Tensor:
-        """The lattice's vocabulary-wide CE: softmax over all V of z_i (detached) + L_i(y_{i-1}, ·) against y_i,
+        """The lattice's vocabulary-wide CE: softmax over all V of z_i (detached unless settings.lattice_coadapt:
+        then the backbone learns the bigram's residual, as DSpark's does) + L_i(y_{i-1}, ·) against y_i,
         position-weighted like the DFlash CE. Teacher-forced on the true predecessors (y_0 = the anchor).
         It trains every row of P and S (the pool-only σ reaches just the rows of pool tokens), so the lattice
         learns the drafter's residual bigram as DSpark's head does; σ then reads it over the pool.

@@ -145,6 +145,22 @@ def test_the_vocabulary_wide_lattice_ce_trains_rows_of_tokens_outside_every_pool
         assert float(grad.sum()) == 0.0 and "lattice_ce" not in terms
 
 
+@pytest.mark.parametrize("coadapt", [False, True])
+def test_a_coadapted_lattice_ce_trains_the_backbones_logits(coadapt):
+    """lattice_coadapt: the lattice CE's z keeps its gradient, so with every other term off the drafter's final
+    norm (read only by the logits) learns from it; detached (the default), only the lattice and h do."""
+    settings = DRelaySettings(reader_dim=32, reader_heads=4, coadapt=False, lambda_support=0.0, lambda_repair=0.0,
+                              ce_weight_final=0.0, lattice_coadapt=coadapt)
+    drafter, relay, batch = _joint(settings)
+    loss, terms = relay.joint_loss(drafter, block_hidden(drafter, batch), batch.labels, batch.anchor_ids, gamma=4.0,
+                                   progress=1.0)
+    torch.testing.assert_close(loss, terms["lattice_ce"])
+    loss.backward()
+    grad = drafter.norm.weight.grad
+    assert (grad is not None and float(grad.abs().sum()) > 0) == coadapt
+    assert float(relay.lattice.successor.grad.abs().sum()) > 0
+
+
 def test_a_bigram_lattice_holds_a_term_of_the_tokens_alone_that_the_hidden_state_modulates():
     """lattice_bigram: with W_h zeroed, L_i(p, c) is the plain low-rank bigram <P[p], S[c]>/√r (W_h's bias starts
     at 1), the same at every position whatever h_i; the bias-free lattice is zero there. Every lattice term
