@@ -233,11 +233,16 @@ def test_eval_per_benchmark_mappings(tmp_path):
         "eval:\n  temperatures: [0.0, 0.0]\n": "eval.temperatures must be a non-empty list of distinct values >= 0",
         "eval:\n  oracle_drafter: oracle\n": "eval.oracle_drafter must be one of dflash",
     }
+    _expect_errors(tmp_path, cases)
+    narrow = write(tmp_path, "eval:\n  benchmarks: [gsm8k]\n  samples: {gsm8k: 4}\n")
+    assert load_params(narrow).eval.samples == {"gsm8k": 4}  # only the listed benchmarks need an entry
+
+
+def _expect_errors(tmp_path, cases: dict[str, str]) -> None:
+    """Each params text fails to load with its message."""
     for text, message in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_params(write(tmp_path, text))
-    narrow = write(tmp_path, "eval:\n  benchmarks: [gsm8k]\n  samples: {gsm8k: 4}\n")
-    assert load_params(narrow).eval.samples == {"gsm8k": 4}  # only the listed benchmarks need an entry
 
 
 def test_data_mix_and_writer_errors_name_the_key(tmp_path):
@@ -254,9 +259,7 @@ def test_data_mix_and_writer_errors_name_the_key(tmp_path):
         "data:\n  writer: {prompts: {chat: -1}}\n": "data.writer.prompts.chat must be >= 0, got -1",
         "data:\n  near_dup_threshold: 0\n": "data.near_dup_threshold must be in (0, 1]",
     }
-    for text, message in cases.items():
-        with pytest.raises(ConfigError, match=re.escape(message)):
-            load_params(write(tmp_path, text))
+    _expect_errors(tmp_path, cases)
     # a chat share with no chat source is fine once the target writes chat prompts
     ok = "data:\n  train_sources: [gsm8k, mbpp]\n  writer: {prompts: {chat: 8}}\n"
     assert load_params(write(tmp_path, ok)).data.writer.prompts.chat == 8

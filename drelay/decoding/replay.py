@@ -106,6 +106,16 @@ class ReplayBlocks:
         return tuple(stack([getattr(self, name)[i] for i in indices]) for name in ("hidden", "pool_ids", "pool_logprobs"))
 
 
+def _batches(sequences: list[Sequence], batch_size: int, device):
+    """Batches of the sequences with >= 2 response tokens: their indices, the sequences, and padded features,
+    tokens and lengths on `device`."""
+    for start in range(0, len(sequences), batch_size):
+        rows = [i for i in range(start, min(start + batch_size, len(sequences))) if sequences[i].response_len >= 2]
+        if rows:
+            seqs = [sequences[i] for i in rows]
+            yield (rows, seqs, *(t.to(device) for t in pad_sequences(seqs)))
+
+
 @torch.no_grad()
 def precompute_blocks(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | None = None,
                       pool_size: int = 8, batch_size: int = 16, anchors_per_pass: int = 8) -> ReplayBlocks:
@@ -115,12 +125,7 @@ def precompute_blocks(drafter: BlockDrafter, sequences: list[Sequence], block_si
     device = drafter.fc.weight.device
     out = ReplayBlocks(sequences, B, pool_size, [None] * len(sequences), [None] * len(sequences),
                        [None] * len(sequences))
-    for start in range(0, len(sequences), batch_size):
-        rows = [i for i in range(start, min(start + batch_size, len(sequences))) if sequences[i].response_len >= 2]
-        if not rows:
-            continue
-        seqs = [sequences[i] for i in rows]
-        features, tokens, lengths = (t.to(device) for t in pad_sequences(seqs))
+    for rows, seqs, features, tokens, lengths in _batches(sequences, batch_size, device):
         b, T = tokens.shape
         ctx_kv = drafter.context_kv(features, torch.arange(T, device=device).expand(b, T))
         first = torch.tensor([s.prompt_len for s in seqs], device=device)
@@ -154,12 +159,7 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
         raise ValueError("precomputed blocks were made for other sequences, block size or pool size")
     stats = ReplayStats(**{name: torch.zeros(B - 1) for name in _COUNTERS})
     device = drafter.fc.weight.device
-    for start in range(0, len(sequences), batch_size):
-        rows = [i for i in range(start, min(start + batch_size, len(sequences))) if sequences[i].response_len >= 2]
-        if not rows:
-            continue
-        seqs = [sequences[i] for i in rows]
-        features, tokens, lengths = (t.to(device) for t in pad_sequences(seqs))
+    for rows, seqs, features, tokens, lengths in _batches(sequences, batch_size, device):
         b, T = tokens.shape
         if blocks is None:
             ctx_kv = drafter.context_kv(features, torch.arange(T, device=device).expand(b, T))

@@ -189,6 +189,7 @@ def test_the_ablation_trains_each_variant_once_and_writes_its_table(smoke_repo, 
         monkeypatch.setenv(key, env[key])
     assert in_process_stage("ablation", "--only", "lattice") == 0
     metrics = json.loads((smoke_repo / "metrics/drelay_ablation.json").read_text())
+    assert metrics.pop("wall_s") > 0  # every stage's metrics carry its wall time
     assert sorted(metrics) == sorted(["drelay-lite", "+ lattice", "drelay (all)"])  # (metrics files sort their keys)
     assert metrics["drelay-lite"]["gain"] == 0 and all(m["replay_tau"] >= 1 for m in metrics.values())
     assert all("repair_margin" in m and m["oracle_tau"] >= m["native_tau"] for m in metrics.values())
