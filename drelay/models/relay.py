@@ -124,22 +124,24 @@ class Lattice(nn.Module):
             nn.init.ones_(self.hidden_proj.bias)
         self.scale = rank ** -0.5  # a sum of r terms: the score stays O(1) as r grows (as the bilinear term)
 
+    def query(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """P[p] ⊙ W_h h_i: predecessors (...), hidden (..., H) -> (..., r)."""
+        return self.predecessor[prev_ids] * self.hidden_proj(hidden)
+
     def forced(self, prev_ids: torch.Tensor, hidden: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced: predecessors (N, n), hidden (N, n, H), candidates (N, n, k) -> L (N, n, k), >= float32."""
-        query = self.predecessor[prev_ids] * self.hidden_proj(hidden)  # (N, n, r)
-        return wide(torch.einsum("nir,nikr->nik", query, self.successor[cand_ids])) * self.scale
+        return wide(torch.einsum("nir,nikr->nik", self.query(prev_ids, hidden), self.successor[cand_ids])) * self.scale
 
     def vocabulary(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """L_i(y_{i-1}, v) for every token v: predecessors (N, n), hidden (N, n, H) -> (N, n, V), >= float32."""
-        query = self.predecessor[prev_ids] * self.hidden_proj(hidden)  # (N, n, r)
-        return wide(query @ self.successor.T) * self.scale
+        return wide(self.query(prev_ids, hidden) @ self.successor.T) * self.scale
 
     def table(self, anchor_ids: torch.Tensor, pool_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Over the pools: anchor (N,), pool_ids (N, n, k), hidden (N, n, H) -> T (N, n, k, k) (>= float32) with
         T[:, i, p, c] = L_i(pool_{i-1, p}, pool_{i, c}); at i = 0 every row p is the anchor's."""
         N, n, k = pool_ids.shape
         prev = torch.cat([anchor_ids.reshape(N, 1, 1).expand(N, 1, k), pool_ids[:, : n - 1]], dim=1)  # (N, n, k)
-        query = self.predecessor[prev] * self.hidden_proj(hidden)[:, :, None]  # (N, n, k, r)
+        query = self.query(prev, hidden[:, :, None])  # (N, n, k, r)
         return wide(torch.einsum("nipr,nijr->nipj", query, self.successor[pool_ids])) * self.scale
 
 
