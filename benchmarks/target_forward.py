@@ -1,5 +1,6 @@
 """Cost of the target on this machine: one forward of t new tokens over a cached context, AR
-decoding speed, and one speculative step's parts, in bf16 and fp32. Prints a table.
+decoding speed, and one speculative step's parts, in bf16 and fp32 (fp32 also with plain
+`F.linear` in place of `drelay.models.cpu_linear`'s few-row rule, row "float32 F.linear"). Prints a table.
 
     .venv/bin/python benchmarks/target_forward.py [--target models/target] [--context 300]
 
@@ -19,6 +20,8 @@ import torch
 from drelay.decoding.generate import SpeculativeDecoder, ar_generate
 from drelay.models.drafter import BlockDrafter
 from drelay.models.target import Target, convert_smollm2_gguf
+
+PLAIN = " F.linear"  # a dtype suffix: undo the few-row linear rule (the comparison's baseline)
 
 PROMPTS = [
     "Explain why the sky is blue in a few sentences.",
@@ -55,9 +58,18 @@ def forward_costs(target: Target, context: int, widths, repeats: int) -> dict[in
     return costs
 
 
-def draft_cost(target: Target, context: int, block_size: int, repeats: int) -> float:
+def plain_linear(module: torch.nn.Module) -> None:
+    """Back to nn.Linear's own forward (F.linear) everywhere inside `module`."""
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.Linear) and "forward" in vars(sub):
+            del sub.forward
+
+
+def draft_cost(target: Target, context: int, block_size: int, repeats: int, plain: bool) -> float:
     """Median ms of one drafter proposal (1-layer drafter: forward + LM head + top-k pool)."""
     drafter = BlockDrafter.for_target(target, block_size=block_size)
+    if plain:
+        plain_linear(drafter)
     decoder = SpeculativeDecoder(target, drafter, block_size=block_size)
     state = decoder.start(torch.randint(100, 40000, (context,)).tolist())
     return median_ms(lambda: decoder.propose(state), repeats)
@@ -69,7 +81,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--ar-tokens", type=int, default=64)
-    parser.add_argument("--dtypes", default="bfloat16,float32")
+    parser.add_argument("--dtypes", default=f"bfloat16,float32,float32{PLAIN}")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args()
     if not Path(args.target, "config.json").is_file():
@@ -77,9 +89,11 @@ def main() -> None:
     widths = (1, 4, 8, 16)
     rows = {}
     for dtype in args.dtypes.split(","):
-        target = Target.load(args.target, dtype=dtype)
+        target = Target.load(args.target, dtype=dtype.removesuffix(PLAIN))
+        if dtype.endswith(PLAIN):
+            plain_linear(target.model)
         costs = forward_costs(target, args.context, widths, args.repeats)
-        draft = draft_cost(target, args.context, 8, args.repeats)
+        draft = draft_cost(target, args.context, 8, args.repeats, dtype.endswith(PLAIN))
         tps = []
         for prompt in PROMPTS:
             ids = target.encode_chat(prompt)

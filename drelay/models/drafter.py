@@ -22,6 +22,7 @@ from torch import nn
 
 from drelay.kernels.ops import Ops, REFERENCE, kernel_ops
 from drelay.kernels.reference import candidate_pool
+from drelay.models.cpu_linear import use_few_row_linear
 from drelay.models.folder import load_folder, save_folder
 from drelay.models.target import Target, context_layer_ids
 
@@ -200,6 +201,7 @@ class BlockDrafter(nn.Module):
         target.set_layer_ids(self.config.target_layer_ids)
         # the fused LM-head top-k needs a bias-free head; chosen once here, never per call
         self.ops = kernel_ops(target.device) if getattr(target.lm_head, "bias", None) is None else REFERENCE
+        use_few_row_linear(self)  # the drafter's own few-row products (one block at inference)
         return self
 
     def save(self, path: str | Path) -> Path:

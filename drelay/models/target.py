@@ -21,6 +21,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from drelay.models.cache import growable_cache
+from drelay.models.cpu_linear import use_few_row_linear
 
 DTYPES = {
     "float32": torch.float32,
@@ -78,6 +79,7 @@ class Target:
 
     def __init__(self, model: nn.Module, tokenizer=None, layer_ids: list[int] | None = None, name: str = ""):
         self.model = model.eval().requires_grad_(False)
+        use_few_row_linear(self.model)  # few-row fp32 products on CPU as (W @ x^T)^T: faster decoding
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "")
         self.config = model.config

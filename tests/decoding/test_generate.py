@@ -80,8 +80,22 @@ def test_stop_token_inside_a_block(tiny_target):
     assert got.tokens == expected
 
 
-def test_accepted_tokens_are_the_argmax_of_the_verification_logits_in_bf16():
-    target = make_tiny_target(dtype=torch.bfloat16)
+def test_float32_with_the_few_row_linear_rule_is_lossless():
+    """fp32 on CPU: target and drafter run their few-row products as (W @ x^T)^T
+    (`drelay.models.cpu_linear`); 1-row decode steps and 8-row verifications still agree."""
+    target = make_tiny_target(dtype=torch.float32)
+    assert "forward" in vars(target.lm_head)  # the rule is on
+    drafter = BlockDrafter.for_target(target, block_size=8)
+    for i, prompt in enumerate(PROMPTS):
+        expected = ar_generate(target, prompt, 48).tokens
+        assert speculative_generate(target, drafter, prompt, 48).tokens == expected
+        corrupted = GreedyStandIn(len(prompt), expected, 96, corrupt=True, seed=i)
+        assert speculative_generate(target, drafter, prompt, 48, method=corrupted).tokens == expected
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_accepted_tokens_are_the_argmax_of_the_verification_logits(dtype):
+    target = make_tiny_target(dtype=dtype)
     prompt = PROMPTS[0]
     drafter = BlockDrafter.for_target(target, block_size=5)
     continuation = ar_generate(target, prompt, 80).tokens

@@ -1,0 +1,47 @@
+"""The few-row linear rule: the same products as F.linear, used by the target and the drafter."""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from drelay.models.cpu_linear import MAX_ROWS, few_row_linear, use_few_row_linear
+
+
+def test_matches_f_linear_for_every_row_count_and_shape():
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 24), torch.randn(40)
+    for shape in [(1, 24), (3, 1, 24), (2, 8, 24), (MAX_ROWS + 5, 24), (24,)]:
+        x = torch.randn(*shape)
+        for b in (None, bias):
+            out = few_row_linear(x, weight, b)
+            assert out.shape == F.linear(x, weight, b).shape
+            torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
+            assert out.is_contiguous()
+
+
+def test_other_dtypes_keep_f_linear_bit_for_bit():
+    x, weight = torch.randn(2, 8, 24, dtype=torch.float64), torch.randn(40, 24, dtype=torch.float64)
+    assert torch.equal(few_row_linear(x, weight), F.linear(x, weight))
+
+
+def test_patched_module_keeps_gradients_and_is_patched_once():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3, bias=False))
+    ref = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3, bias=False))
+    ref.load_state_dict(net.state_dict())
+    assert use_few_row_linear(net) == 2
+    assert use_few_row_linear(net) == 0  # already routed
+    x = torch.randn(4, 6)
+    net(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+    assert set(net.state_dict()) == set(ref.state_dict())
+
+
+def test_target_and_drafter_use_it(tiny_target):
+    from drelay.models.drafter import BlockDrafter
+    drafter = BlockDrafter.for_target(tiny_target, block_size=4)
+    for model in (tiny_target.model, drafter):
+        linears = [m for m in model.modules() if type(m) is nn.Linear]
+        assert linears and all(getattr(m.forward, "__func__", None).__name__ == "_forward" for m in linears)
