@@ -244,7 +244,7 @@ def test_a_killed_joint_run_resumes_and_ends_where_an_uninterrupted_one_does(set
 
 
 @pytest.mark.parametrize("params", ["params.yaml", "profiles/smoke.yaml", "profiles/qwen3-8b.yaml",
-                                    "profiles/cpu-fp32.yaml", "profiles/cpu-small.yaml"])
+                                    "profiles/cpu-bf16.yaml", "profiles/cpu-small.yaml"])
 def test_every_profile_has_a_valid_joint_section(params):
     cfg = load_section(ROOT / params, "joint")
     assert set(cfg.methods) == set(JOINT_METHODS) and cfg.common.extra_steps >= 1 and 0.0 in cfg.drelay.repair_margins
