@@ -64,27 +64,43 @@ def summarize_live(records: list[dict[str, dict]]) -> dict[str, dict[str, float]
 
     Speedup is mean tokens/s of the method over mean tokens/s of AR on the same prompts. A step's time
     splits into draft (drafter forward + pool), repair (the method's hook) and verify (target forward
-    + acceptance + cache bookkeeping): `live_repair_share` is the selector's share of a step."""
+    + acceptance + cache bookkeeping): `live_repair_share` is the selector's share of a step.
+
+    The cost model's inputs: `live_step_ms` (a step's mean time) and `ar_ms_per_token` (AR's), so
+    that speedup ≈ τ · ar_ms_per_token / live_step_ms for any τ (`predicted_speedup`); the live
+    prompts' own spread is `live_speedup_min` / `live_speedup_max` (per prompt, method over AR)."""
     if not records:
         return {}
     ar_mean = statistics.mean(r["ar"]["tokens_per_s"] for r in records)
+    ar_ms = 1000 * sum(r["ar"]["wall_s"] for r in records) / max(sum(r["ar"]["new_tokens"] for r in records), 1)
     out = {}
     for name in (n for n in records[0] if n != "ar"):
         rows = [r[name] for r in records]
         step_s = sum(x["draft_s"] + x["repair_s"] + x["verify_s"] for x in rows) or 1.0
+        steps = sum(x["steps"] for x in rows)
         tps = statistics.mean(x["tokens_per_s"] for x in rows)
+        per_prompt = [x["tokens_per_s"] / r["ar"]["tokens_per_s"] for x, r in zip(rows, records)
+                      if r["ar"]["tokens_per_s"]]
         summary = {"live_tau": statistics.mean(x["tau"] for x in rows), "live_tokens_per_s": tps,
                    "live_speedup": tps / ar_mean if ar_mean else 0.0,
+                   "live_speedup_min": min(per_prompt, default=0.0), "live_speedup_max": max(per_prompt, default=0.0),
                    "live_draft_share": sum(x["draft_s"] for x in rows) / step_s,
                    "live_repair_share": sum(x["repair_s"] for x in rows) / step_s,
                    "live_verify_share": sum(x["verify_s"] for x in rows) / step_s,
-                   "live_steps": sum(x["steps"] for x in rows), "live_prompts": len(rows),
+                   "live_step_ms": 1000 * step_s / max(steps, 1), "ar_ms_per_token": ar_ms,
+                   "live_steps": steps, "live_prompts": len(rows),
                    "ar_tokens_per_s": ar_mean}
         if "identical" in rows[0]:
             summary |= {"live_identical_rate": sum(x["identical"] for x in rows) / len(rows),
                         "live_near_tie_divergences": sum(x["near_tie"] for x in rows)}
         out[name] = summary
     return out
+
+
+def predicted_speedup(tau: float, live: dict[str, float]) -> float:
+    """The cost model: τ tokens per step of `live_step_ms`, against AR's `ar_ms_per_token` (DESIGN §1.8:
+    a step = draft + repair + verify, measured live; τ may come from replay over many more prompts)."""
+    return tau * live["ar_ms_per_token"] / live["live_step_ms"] if live.get("live_step_ms") else 0.0
 
 
 def live_compare(target: Target, methods: dict[str, Speculator], prompts: Iterable[list[int]], max_new_tokens: int,

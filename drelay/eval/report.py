@@ -99,16 +99,24 @@ def markdown(result: EvalResult, info: dict) -> str:
         live = [m for m in repairers if "tau_live" in rows["mean"][m]]
         if live:
             ident = any("identical_rate" in rows["mean"][m] for m in live)
-            lines += ["", f"Live checks ({tkey}, mean over benchmarks):", "",
-                      "| method | τ replay | τ live | tokens/s | repair share of a step"
+            lines += ["", f"Live checks ({tkey}, mean over benchmarks). Speedup predicted = τ replay x AR's ms "
+                      "per token / the method's ms per step (draft + repair + verify, measured live): the cost "
+                      "model; live = measured, [lowest, highest] over the live prompts.", "",
+                      "| method | τ replay | τ live | tokens/s | ms per step | repair share of a step "
+                      "| speedup predicted | speedup live [spread]"
                       + (" | identical to AR | near-tie divergences |" if ident else " |"),
-                      "|---|---|---|---|---|" + ("---|---|" if ident else "")]
+                      "|---|---|---|---|---|---|---|---|" + ("---|---|" if ident else "")]
             for m in live:
                 c = rows["mean"][m]
                 near = sum(rows[b][m].get("near_tie_divergences", 0) for b in rows if b != "mean")
                 tail = f" {c['identical_rate']:.3f} | {near:.0f} |" if "identical_rate" in c else ""
+                low = min((rows[b][m].get("speedup_min", float("nan")) for b in rows if b != "mean"), default=float("nan"))
+                high = max((rows[b][m].get("speedup_max", float("nan")) for b in rows if b != "mean"), default=float("nan"))
+                predicted = f"{c['speedup_predicted']:.2f}x" if "speedup_predicted" in c else "—"
+                step = f"{c['step_ms']:.0f}" if "step_ms" in c else "—"
                 lines.append(f"| {m} | {c.get('tau', float('nan')):.3f} | {c['tau_live']:.3f} | "
-                             f"{c['tokens_per_s']:.1f} | {c['repair_share']:.3f} |{tail}")
+                             f"{c['tokens_per_s']:.1f} | {step} | {c['repair_share']:.3f} | {predicted} | "
+                             f"{c['speedup']:.2f}x [{low:.2f}, {high:.2f}] |{tail}")
             if ident:
                 prompts = sum(rows[b][live[0]].get("live_prompts", 0) for b in rows if b != "mean")
                 lines += ["", f"Every output that is not identical to AR's ({prompts} prompts per method) departed "

@@ -35,7 +35,7 @@ from drelay.config import EvalConfig
 from drelay.data.benchmarks import load_prepared_benchmark
 from drelay.data.records import Sequence
 from drelay.decoding.replay import ReplayStats
-from drelay.eval.live import live_prompt, summarize_live
+from drelay.eval.live import live_prompt, predicted_speedup, summarize_live
 from drelay.eval.paired import Paired, paired_bootstrap
 from drelay.eval.replay_eval import continuations, replay_methods
 from drelay.models.methods import Speculator, load_speculator
@@ -150,6 +150,11 @@ def cell_metrics(method: str, stats: ReplayStats | None, live: dict | None, orac
         out |= {"speedup": live["live_speedup"], "tokens_per_s": live["live_tokens_per_s"],
                 "tau_live": live["live_tau"], "repair_share": live["live_repair_share"],
                 "live_prompts": live["live_prompts"]}
+        if "live_step_ms" in live:  # cells saved before the cost model have no step times
+            out |= {"speedup_min": live["live_speedup_min"], "speedup_max": live["live_speedup_max"],
+                    "step_ms": live["live_step_ms"]}
+            if stats is not None:
+                out["speedup_predicted"] = predicted_speedup(stats.tau, live)
         if "live_identical_rate" in live:
             out |= {"identical_rate": live["live_identical_rate"],
                     "near_tie_divergences": live["live_near_tie_divergences"]}

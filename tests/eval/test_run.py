@@ -181,6 +181,13 @@ def test_report_tables_and_plots(first, tmp_path):
     mean = result.tables["T0"]["mean"]
     assert f"| **mean** | 1.00 / 1.00x | {mean['dflash']['tau']:.2f} / {mean['dflash']['speedup']:.2f}x |" in text
     assert "replay" in text and "live" in text  # which numbers are which
+    # the cost model: a predicted speedup beside the live one, with the live prompts' spread
+    cell = result.tables["T0"]["gsm8k"]["dflash"]
+    assert cell["speedup_predicted"] == pytest.approx(cell["tau"] * 1000 / cell["step_ms"]
+                                                      / result.tables["T0"]["gsm8k"]["ar"]["tokens_per_s"], rel=1e-6)
+    assert cell["speedup_min"] <= cell["speedup"] <= cell["speedup_max"]
+    row = next(line for line in text.splitlines() if line.startswith("| dflash | ") and "x [" in line)
+    assert f"{mean['dflash']['speedup_predicted']:.2f}x" in row
     for plot in (plot_tau, plot_acceptance, partial(plot_repair, method="dflash2")):
         path = tmp_path / "plot.png"
         fig = plot(result, path)
