@@ -1,5 +1,6 @@
 # make setup | make test [PYTEST_ARGS=...] | make repro [PROFILE=name] | make ablation [PROFILE=name] | make ui [UI_PORT=5000]
 # make schedule [PROFILE=name] (Ctrl-C stops serving) | make schedule-stop (stops the server)
+# make setup-sglang | make test-serving [PYTEST_ARGS=...]  (SGLang plugin, its own venv .venv-sglang)
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -20,7 +21,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test repro ablation ui schedule schedule-stop
+.PHONY: setup test repro ablation ui schedule schedule-stop setup-sglang test-serving
 
 setup: $(STAMP)
 
@@ -83,3 +84,31 @@ schedule-stop:
 	else \
 		echo "no .prefect/server.pid: no server started by make schedule"; \
 	fi
+
+# SGLang 0.5.23 for the serving plugin (drelay/serving), in its own venv: its pins (torch 2.14.1 CUDA,
+# transformers 5.19.0, ...) differ from ours. This recipe is the CPU one (tests): torch pinned and first,
+# sglang without its dependencies, then the light packages its plugin/server-args/worker imports need,
+# its transformers/tokenizers pins, the triton torch 2.13 expects, and our package without dependencies.
+# No torchvision: PyPI's wheels are CUDA builds that cannot load next to the CPU torch (tests/serving/
+# cpu_stubs.py). A GPU host instead runs `pip install sglang==0.5.23 && pip install --no-deps -e .`.
+SGLANG_VENV := .venv-sglang
+SGLANG_PY := $(SGLANG_VENV)/bin/python
+SGLANG_STAMP := $(SGLANG_VENV)/.setup-stamp
+SGLANG_CPU_DEPS := transformers==5.19.0 tokenizers==0.23.2 triton==3.7.1 safetensors pyyaml tqdm numpy psutil \
+	pytest pybase64 msgspec pyzmq IPython traitlets orjson requests packaging pillow starlette fastapi uvicorn \
+	pydantic aiohttp dill sentencepiece==0.2.1 gguf openai==2.8.0 partial_json_parser einops setproctitle \
+	compressed-tensors==0.18.0 apache-tvm-ffi==0.1.11
+
+setup-sglang: $(SGLANG_STAMP)
+
+$(SGLANG_STAMP): pyproject.toml Makefile
+	test -x $(SGLANG_PY) || python3 -m venv $(SGLANG_VENV)
+	$(SGLANG_PY) -m pip install torch==2.13.0
+	$(SGLANG_PY) -m pip install --no-deps sglang==0.5.23
+	$(SGLANG_PY) -m pip install $(SGLANG_CPU_DEPS)
+	$(SGLANG_PY) -m pip install --no-deps -e .
+	touch $@
+
+# tests/serving in the SGLang venv (in .venv, `make test` runs their SGLang-free part and skips the rest)
+test-serving: setup-sglang
+	$(SGLANG_PY) -m pytest -q tests/serving $(PYTEST_ARGS)

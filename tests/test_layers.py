@@ -1,5 +1,5 @@
 """The library's imports run one way (DESIGN §4): config/io -> data -> kernels -> models -> decoding ->
-training -> eval -> cli. Every `import` in every module of drelay/ (TYPE_CHECKING ones and imports
+training -> eval -> serving (the SGLang plugin, optional) -> cli. Every `import` in every module of drelay/ (TYPE_CHECKING ones and imports
 inside functions included) is parsed; one that reaches a higher layer fails, naming the file and the import."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "drelay"
 # Layer of each unit, lowest first; a module may import its own layer and every lower one.
 LAYERS = {"config": 0, "io": 0, "data": 1, "kernels": 2, "models": 3, "decoding": 4, "training": 5, "eval": 6,
-          "cli": 7, "__init__": 0}
+          "serving": 7, "cli": 8, "__init__": 0}
 
 
 def unit(module: str) -> str:
