@@ -21,10 +21,10 @@ def write(tmp_path: Path, text: str) -> Path:
 
 def test_repo_params_yaml_loads_the_cpu_profile():
     params = load_params(REPO_PARAMS)
-    assert params.target == TargetConfig(source="smollm2-gguf", dtype="bfloat16", device="cpu")
+    assert params.target == TargetConfig(source="smollm2-gguf", dtype="float32", device="cpu")
     assert (params.drafter.block_size, params.drafter.num_context_layers) == (8, 3)
     assert params.drafter.num_layers == 1 and params.drafter.num_heads is None
-    assert params.distill.temperature == 0.0 and params.distill.max_new_tokens == 256
+    assert params.distill.temperature == 0.0 and params.distill.max_new_tokens == 192
     assert params.decode.pool_size == 8 and params.decode.sampling_rule == "residual"
 
 
