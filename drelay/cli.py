@@ -103,6 +103,18 @@ def cmd_init_relay(args) -> int:
     return 0
 
 
+def cmd_export_sglang(args) -> int:
+    from drelay.serving.export import ExportError, export_for_sglang  # plain drelay: no sglang import
+
+    try:
+        out = export_for_sglang(args.drafter, args.out, args.target, args.relay, args.mask_token_id)
+    except ExportError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {out} (serve it with --speculative-draft-model-path; DRELAY needs --relay)")
+    return 0
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -166,6 +178,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--pool-size", type=_positive_int, default=8)
     r.add_argument("--repair-margin", type=_nonnegative_float, default=0.0, help="δ: replace only above this")
     r.set_defaults(func=cmd_init_relay)
+
+    x = sub.add_parser("export-sglang", help="write a trained drafter (+ relay) as an SGLang DFlash draft folder")
+    x.add_argument("--drafter", required=True, help="a saved drafter folder, e.g. models/joint/drelay/drafter")
+    x.add_argument("--relay", default=None, help="its DRelay folder, e.g. models/joint/drelay/relay (for DRELAY)")
+    x.add_argument("--target", default=None, help="the target's HF folder (default: the drafter's recorded target)")
+    x.add_argument("--mask-token-id", type=int, default=None, help="id SGLang puts at MASK positions (default: the last)")
+    x.add_argument("--out", required=True, help="the SGLang draft folder to write (replaced as a whole)")
+    x.set_defaults(func=cmd_export_sglang)
     return parser
 
 

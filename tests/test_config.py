@@ -209,7 +209,8 @@ def test_to_dict_and_flatten_round_trip():
                    for f in dataclasses.fields(cls))
 
     assert len(flat) == sum(leaves(cls) for cls in SECTIONS.values())
-    assert flat["joint.domino.rank"] == 128 and flat["joint.common.extra_steps"] == 200
+    assert flat["joint.domino.rank"] == params.joint.domino.rank
+    assert flat["joint.common.extra_steps"] == params.joint.common.extra_steps
 
 
 def test_invalid_yaml_names_the_file(tmp_path):

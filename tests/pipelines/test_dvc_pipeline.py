@@ -169,16 +169,9 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     assert "Running stage" not in log, log
     assert sum(len(r) for r in _runs_by_stage(uri).values()) == len(STAGES)
 
-    _set_params(repo, {"joint.drelay.lambda_repair": 0.5})  # drelay's own setting: only train@drelay reads it
-    log = _dvc(repo, env, "repro")
-    assert "Running stage 'train@drelay'" in log
-    assert not any(f"Running stage '{s}'" in log for s in STAGES if s not in ("train@drelay", "evaluate")), log
-    runs = _runs_by_stage(uri)
-    assert len(runs["train@drelay"]) == 2
-    assert all(len(runs[s]) == 1 for s in STAGES if s not in ("train@drelay", "evaluate"))  # one run each
-    assert "Running stage 'evaluate'" in log and len(runs["evaluate"]) == 2  # drelay's model changed
-    cells = json.loads((repo / "metrics/eval.json").read_text())
-    assert cells["cells_computed"] >= 2 * 8  # at least drelay's replay cells, every temperature x benchmark
+    # Which stages a params change re-runs is checked on a locked repo without training
+    # (tests/test_dvc_deps.py), and which eval cells a changed model recomputes in-process
+    # (tests/eval/test_run.py): re-running stages here would only repeat them at minutes' cost.
 
 
 def test_the_ablation_trains_each_variant_once_and_writes_its_table(smoke_repo, env, in_process_stage, monkeypatch):

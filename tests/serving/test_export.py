@@ -93,3 +93,20 @@ def test_cli(saved, capsys):
     assert (tmp / "o" / SERVING_FILE).is_file()
     assert main(["--drafter", str(tmp / "nothing"), "--target", str(tmp / "target"), "--out", str(tmp / "o2")]) == 2
     assert "no drafter at" in capsys.readouterr().err
+
+
+def test_drelay_export_sglang_command(saved, capsys):
+    """`drelay export-sglang` writes the same folder as the module's own command, relay included."""
+    from drelay.cli import main as drelay_main
+
+    tmp, *_ = saved
+    args = ["--drafter", str(tmp / "drafter"), "--target", str(tmp / "target"), "--relay", str(tmp / "relay")]
+    assert drelay_main(["export-sglang", *args, "--out", str(tmp / "cli")]) == 0
+    assert main([*args, "--out", str(tmp / "module")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    for name in ("config.json", SERVING_FILE):
+        cli, module = (json.loads((tmp / d / name).read_text()) for d in ("cli", "module"))
+        assert cli == module if name == "config.json" else cli["repair_margin"] == module["repair_margin"] == 0.25
+    assert load_file(tmp / "cli" / "model.safetensors").keys() == load_file(tmp / "module" / "model.safetensors").keys()
+    assert drelay_main(["export-sglang", "--drafter", str(tmp / "nothing"), "--out", str(tmp / "bad")]) == 2
+    assert "no drafter at" in capsys.readouterr().err and not (tmp / "bad").exists()
