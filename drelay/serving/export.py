@@ -241,12 +241,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mask-token-id", type=int, help="id SGLang puts at MASK positions (default: the last id)")
     parser.add_argument("--out", required=True, type=Path, help="the SGLang draft folder to write")
     args = parser.parse_args(argv)
+    return run_export(args.drafter, args.out, args.target, args.relay, args.mask_token_id)
+
+
+def run_export(drafter_dir, out_dir, target_dir=None, relay_dir=None, mask_token_id=None) -> int:
+    """`export_for_sglang` as a command (this module's and `drelay export-sglang`): exit 0, or 2 with one
+    `error:` line."""
     try:
-        out = export_for_sglang(args.drafter, args.out, args.target, args.relay, args.mask_token_id)
+        out = export_for_sglang(drafter_dir, out_dir, target_dir, relay_dir, mask_token_id)
     except ExportError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print(f"wrote {out}")
+    print(f"wrote {out} (serve it with --speculative-draft-model-path; DRELAY reads its relay/)")
     return 0
 
 

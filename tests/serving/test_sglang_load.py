@@ -15,8 +15,11 @@ from drelay.serving.export import export_for_sglang
 from tests.conftest import make_tiny_target
 
 REPO = Path(__file__).resolve().parents[2]
-SMOLLM2_DRAFTER = REPO / "runs/cpu-small/models/drafter"
-SMOLLM2_TARGET = REPO / "runs/cpu-small/models/target"
+# A trained SmolLM2 drafter: the default profile's (`make repro`), else the cpu-small profile's.
+_WORKSPACE = next((w for w in (REPO, REPO / "runs/cpu-small") if (w / "models/drafter/model.safetensors").is_file()),
+                  REPO)
+SMOLLM2_DRAFTER = _WORKSPACE / "models/drafter"
+SMOLLM2_TARGET = _WORKSPACE / "models/target"
 
 
 def sglang_draft_model(out: Path):
@@ -75,7 +78,7 @@ def test_tiny_drafter_in_sglang(sglang_runtime, tmp_path):
 
 
 @pytest.mark.skipif(not (SMOLLM2_DRAFTER / "model.safetensors").is_file() or not (SMOLLM2_TARGET / "config.json").is_file(),
-                    reason=f"no trained SmolLM2 drafter at {SMOLLM2_DRAFTER} (made by `make repro PROFILE=cpu-small`)")
+                    reason=f"no trained SmolLM2 drafter at {SMOLLM2_DRAFTER} (made by `make repro`)")
 def test_smollm2_drafter_in_sglang(sglang_runtime, tmp_path):
     target = Target.load(SMOLLM2_TARGET, dtype="float32")  # read-only
     drafter = BlockDrafter.load(SMOLLM2_DRAFTER, target)
