@@ -13,6 +13,7 @@ from pathlib import Path
 
 from torch import nn
 
+from drelay.models.cpu_linear import use_few_row_linear
 from drelay.models.drafter import BlockDrafter
 from drelay.models.heads import HEADS
 from drelay.models.relay import DRelay, DRelayLite
@@ -35,14 +36,22 @@ def create_method(name: str, drafter: BlockDrafter, settings, pool_size: int, se
     cls = method_class(name)
     if not cls.trainable:
         raise ValueError(f"{name} is not a trainable method (trainable: {', '.join(TRAINABLE)})")
-    return cls.create(drafter, settings, pool_size, seed)
+    return _few_row(cls.create(drafter, settings, pool_size, seed))
 
 
 def load_method(name: str, method_dir: str | Path, embed_tokens: nn.Module) -> RepairMethod:
     """The method `name` saved under `method_dir` (<joint.out_dir>/<name>), bound to `embed_tokens`."""
     cls = method_class(name)
     folder = Path(method_dir) / cls.folder_name if cls.folder_name else method_dir
-    return cls.load(folder, embed_tokens).eval()
+    return _few_row(cls.load(folder, embed_tokens).eval())
+
+
+def _few_row(method: RepairMethod) -> RepairMethod:
+    """The method's linears take the few-row fp32 rule, as the target's and the drafter's do
+    (drelay/models/cpu_linear.py): a repair at decoding multiplies a block's few rows by vocabulary-wide
+    (DSpark's bigram, Domino's residual) or reader-sized weights. Training's many-row products keep F.linear."""
+    use_few_row_linear(method)
+    return method
 
 
 def save_method(method: RepairMethod, method_dir: str | Path) -> None:
