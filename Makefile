@@ -58,9 +58,12 @@ ablation: setup
 	cd $(if $(PROFILE),runs/$(PROFILE),.) && PATH="$(VENV_PATH)" $(abspath $(PY)) -m pipelines.ablation $(ABLATION_ARGS)
 
 # Every profile's runs, one experiment per profile (drelay-<profile>).
+# Light for a laptop: one web worker (MLflow's default is 4) and no job consumers (they run MLflow's GenAI
+# jobs, which nothing here uses; by default the server starts several).
+UI_WORKERS ?= 1
 ui: setup
-	$(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db --default-artifact-root ./mlartifacts \
-		--host 127.0.0.1 --port $(UI_PORT)
+	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db \
+		--default-artifact-root ./mlartifacts --host 127.0.0.1 --port $(UI_PORT) --workers $(UI_WORKERS)
 
 # A Prefect server on 127.0.0.1:<schedule.port> in the background (its own process group, so
 # Ctrl-C here leaves it up), then the retrain deployment served in the foreground.

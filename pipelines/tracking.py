@@ -7,6 +7,7 @@ experiment `drelay-<run.profile>`, under the same metric names, so runs compare 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -44,14 +45,28 @@ def experiment_name(profile: str) -> str:
     return f"drelay-{profile}"
 
 
+# Without this tag the MLflow UI opens an experiment on its generic "traces" overview, empty for us;
+# with it, on the runs table where the stages' runs are.
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+
+
 def _experiment_id(client: MlflowClient, name: str, location: str | None) -> str:
     experiment = client.get_experiment_by_name(name)
-    if experiment is not None:
-        return experiment.experiment_id
-    try:
-        return client.create_experiment(name, artifact_location=location)
-    except MlflowException:  # created meanwhile by another process
-        return client.get_experiment_by_name(name).experiment_id
+    if experiment is None:
+        try:
+            return client.create_experiment(name, artifact_location=location, tags={KIND_TAG: KIND})
+        except MlflowException:  # created meanwhile by another process
+            experiment = client.get_experiment_by_name(name)
+    if experiment.tags.get(KIND_TAG) != KIND:  # made before the tag was set
+        client.set_experiment_tag(experiment.experiment_id, KIND_TAG, KIND)
+    return experiment.experiment_id
+
+
+def pipeline_run_tag(params: Any, commit: str) -> str:
+    """One reproduction's mark, the same on each of its stage runs: the commit and a digest of the whole
+    params (not only the stage's sections), so `tags.pipeline_run = '...'` filters one reproduction."""
+    digest = hashlib.sha256(json.dumps(to_dict(params), sort_keys=True, default=str).encode()).hexdigest()
+    return f"{commit[:12]}-{digest[:12]}"
 
 
 def git_commit() -> str:
@@ -123,8 +138,9 @@ def _mlflow_run(stage: str, params: Any, sections: list[str]) -> Iterator[Tracke
     client = MlflowClient(tracking_uri=uri)
     name = experiment_name(params.run.profile)
     experiment_id = _experiment_id(client, name, artifact_location(uri, name))
-    tags = {"stage": stage, "profile": params.run.profile, "git_commit": git_commit(),
-            "workspace": os.getcwd()}
+    commit = git_commit()
+    tags = {"stage": stage, "profile": params.run.profile, "git_commit": commit,
+            "pipeline_run": pipeline_run_tag(params, commit), "workspace": os.getcwd()}
     run = client.create_run(experiment_id, run_name=stage, tags=tags)
     run_id = run.info.run_id
     try:

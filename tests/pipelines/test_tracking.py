@@ -67,6 +67,19 @@ def test_stage_run_logs_params_tags_metrics_artifacts(tmp_path, store_dir, store
     tags = run.data.tags
     assert (tags["stage"], tags["profile"], tags["git_commit"]) == ("distill", "tiny", commit)
     assert tags["workspace"]
+    experiment = client.get_experiment(run.info.experiment_id)  # opens on the runs table in the UI
+    assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
+    # one reproduction = one pipeline_run tag on every stage run; other params, another tag
+    with stage_run("train_dflash", params, ["train"]) as same:
+        pass
+    with stage_run("distill", load_params(tmp_path / "params.yaml", ["distill.batch_size=4"]), ["distill"]) as changed:
+        pass
+    mark = tags["pipeline_run"]
+    assert mark.startswith(commit[:12] + "-") and len(mark) == len(commit[:12]) + 13
+    assert client.get_run(same.run_id).data.tags["pipeline_run"] == mark
+    assert client.get_run(changed.run_id).data.tags["pipeline_run"] != mark
+    assert {r.info.run_id for r in client.search_runs([run.info.experiment_id], f"tags.pipeline_run = '{mark}'")} \
+        == {tracker.run_id, same.run_id}
     history = client.get_metric_history(tracker.run_id, "loss")
     assert sorted((m.step, m.value) for m in history) == [(0, 2.0), (10, 1.0)]
     assert run.data.metrics["tau"] == 1.5
