@@ -104,7 +104,7 @@ def cmd_init_relay(args) -> int:
 
 
 def cmd_export_sglang(args) -> int:
-    from drelay.serving.export import run_export  # plain drelay: no sglang import
+    from drelay.serving.export import run_export
 
     return run_export(args.drafter, args.out, args.target, args.relay, args.mask_token_id)
 
@@ -173,12 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--repair-margin", type=_nonnegative_float, default=0.0, help="δ: replace only above this")
     r.set_defaults(func=cmd_init_relay)
 
+    from drelay.serving.export import add_arguments as export_arguments  # plain drelay: no sglang import
+
     x = sub.add_parser("export-sglang", help="write a trained drafter (+ relay) as an SGLang DFlash draft folder")
-    x.add_argument("--drafter", required=True, help="a saved drafter folder, e.g. models/joint/drelay/drafter")
-    x.add_argument("--relay", default=None, help="its DRelay folder, e.g. models/joint/drelay/relay (for DRELAY)")
-    x.add_argument("--target", default=None, help="the target's HF folder (default: the drafter's recorded target)")
-    x.add_argument("--mask-token-id", type=int, default=None, help="id SGLang puts at MASK positions (default: the last)")
-    x.add_argument("--out", required=True, help="the SGLang draft folder to write (replaced as a whole)")
+    export_arguments(x)
     x.set_defaults(func=cmd_export_sglang)
     return parser
 

@@ -234,14 +234,19 @@ def read_serving(draft_dir: str | Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m drelay.serving.export", description=__doc__.split("\n\n")[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_export(args.drafter, args.out, args.target, args.relay, args.mask_token_id)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The export's options (this module's command and `drelay export-sglang`)."""
     parser.add_argument("--drafter", required=True, type=Path, help="a saved BlockDrafter folder")
     parser.add_argument("--target", type=Path, help="the target's HF folder (its config.json is read; default: the "
                                                     "drafter's recorded target_name)")
     parser.add_argument("--relay", type=Path, help="a saved DRelay folder (served by --speculative-algorithm DRELAY)")
     parser.add_argument("--mask-token-id", type=int, help="id SGLang puts at MASK positions (default: the last id)")
     parser.add_argument("--out", required=True, type=Path, help="the SGLang draft folder to write")
-    args = parser.parse_args(argv)
-    return run_export(args.drafter, args.out, args.target, args.relay, args.mask_token_id)
 
 
 def run_export(drafter_dir, out_dir, target_dir=None, relay_dir=None, mask_token_id=None) -> int:
