@@ -66,6 +66,17 @@ def tiny_target() -> Target:
 LONG_FIRST = ("tests/pipelines/test_dvc_pipeline.py", "tests/test_cli.py")
 
 
+def pytest_terminal_summary(terminalreporter):
+    """Names the serving files not collected without sglang (tests/serving/conftest.py). Here, in the root
+    conftest, because under xdist only the controller prints, and it never loads tests/serving's conftest."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is None:
+        from tests.serving.conftest import NEEDS_SGLANG, NO_SGLANG
+
+        terminalreporter.write_line(f"tests/serving/{{{','.join(NEEDS_SGLANG)}}} not collected: {NO_SGLANG}")
+
+
 def pytest_collection_modifyitems(config, items):
     """The long files first (see LONG_FIRST), the rest in their own order. Tests marked `gpu` need CUDA;
     without it they are reported as skipped, never silently passed."""
