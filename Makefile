@@ -103,7 +103,7 @@ SGLANG_STAMP := $(SGLANG_VENV)/.setup-stamp
 SGLANG_CPU_DEPS := transformers==5.19.0 tokenizers==0.23.2 triton==3.7.1 safetensors pyyaml tqdm numpy psutil \
 	pytest pybase64 msgspec pyzmq IPython traitlets orjson requests packaging pillow starlette fastapi uvicorn \
 	pydantic aiohttp dill sentencepiece==0.2.1 gguf openai==2.8.0 partial_json_parser einops setproctitle \
-	compressed-tensors==0.18.0 apache-tvm-ffi==0.1.11
+	compressed-tensors==0.18.0 apache-tvm-ffi==0.1.11 datasets  # datasets: the benchmark client's loaders
 
 setup-sglang: $(SGLANG_STAMP)
 

@@ -507,6 +507,39 @@ class EvalConfig:
         return table[benchmark] if benchmark in table else table["default"]
 
 
+SERVE_METHODS = ("dflash", "drelay", "dspark")  # speculative configurations serve_bench knows (beside none)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """The serve_bench stage (DESIGN §3): SGLang serving speed on a CUDA host, one fresh server per
+    configuration (no speculation + `methods`) and benchmark; without CUDA it records the skip."""
+
+    methods: tuple[str, ...] = ("dflash", "drelay", "dspark")  # served beside no speculation, where exported
+    benchmarks: tuple[str, ...] = BENCHMARKS
+    num_prompts: int = 16  # per benchmark (the first ones of prepare_data's copy)
+    max_new_tokens: int = 256  # output tokens per request (EOS ignored, so every configuration writes as many)
+    concurrency: tuple[int, ...] = (1, 8)  # client max-concurrency levels, each on the same server
+    python: str = ""  # the interpreter with sglang==0.5.23 and drelay installed; "" = the stage's own
+    port: int = 30000  # the server's port on 127.0.0.1
+    startup_timeout_s: int = 1200  # model load + CUDA graph capture
+    server_args: tuple[str, ...] = ()  # extra `sglang.launch_server` arguments for every configuration
+    out_dir: str = "serve"  # prompt files, exported drafts, client results, server logs
+
+    def __post_init__(self) -> None:
+        ok = _distinct(self.methods) and set(self.methods) <= set(SERVE_METHODS) if self.methods else True
+        _require(ok, "methods", f"a list of distinct names from {', '.join(SERVE_METHODS)}", self.methods)
+        ok = bool(self.benchmarks) and _distinct(self.benchmarks) and set(self.benchmarks) <= set(BENCHMARKS)
+        _require(ok, "benchmarks", f"a non-empty list of distinct names from {', '.join(BENCHMARKS)}", self.benchmarks)
+        _require(self.num_prompts >= 1, "num_prompts", ">= 1", self.num_prompts)
+        _require(self.max_new_tokens >= 4, "max_new_tokens", ">= 4 (SGLang's client refuses less)", self.max_new_tokens)
+        ok = bool(self.concurrency) and _distinct(self.concurrency) and all(c >= 1 for c in self.concurrency)
+        _require(ok, "concurrency", "a non-empty list of distinct values >= 1", self.concurrency)
+        _require(0 < self.port < 65536, "port", "a TCP port", self.port)
+        _require(self.startup_timeout_s >= 1, "startup_timeout_s", ">= 1", self.startup_timeout_s)
+        _require(bool(self.out_dir), "out_dir", "a non-empty string", self.out_dir)
+
+
 @dataclass(frozen=True)
 class ScheduleConfig:
     """Scheduled retraining: a Prefect deployment that re-runs `dvc repro`."""
@@ -533,6 +566,7 @@ class Params:
     train: TrainConfig = field(default_factory=TrainConfig)
     joint: JointConfig = field(default_factory=JointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 

@@ -133,7 +133,8 @@ def _fake_outputs(repo: Path) -> None:
              "reports/train_dflash.png", "data/eval/cells.json", "reports/data_card.md", "reports/eval.md",
              "reports/eval_tau.png", "reports/eval_acceptance.png", "reports/eval_repair.png",
              "metrics/prepare_target.json", "metrics/prepare_data.json", "metrics/distill.json",
-             "metrics/train_dflash.json", "metrics/eval.json"]
+             "metrics/train_dflash.json", "metrics/eval.json", "serve/prompts/gsm8k.jsonl", "reports/serve.md",
+             "metrics/serve.json"]
     for method in params["joint"]["methods"]:
         files += [f"{joint_out}/{method}/drafter/config.json", f"reports/joint_{method}.png",
                   f"metrics/joint_{method}.json"]
@@ -200,5 +201,13 @@ def test_one_methods_settings_rerun_only_its_stage_then_evaluate(locked_repo):
     _dvc(repo, "commit", "-f", "-q", "evaluate")
     _set(repo, "joint.drelay.lambda_repair", 0.5)
     assert _changed(repo) == {"train@drelay"}
+    # a method SGLang serves (dflash, drelay) also re-runs serve_bench; domino above did not
+    (repo / "models/joint/drelay/drafter/config.json").write_text('{"retrained": true}\n')
+    _dvc(repo, "commit", "-f", "-q", "train@drelay")
+    assert _changed(repo) == {"evaluate", "serve_bench"}
+    _dvc(repo, "commit", "-f", "-q", "evaluate", "serve_bench")
+    _set(repo, "serve.concurrency", [1, 4])  # the serving settings re-run only serve_bench
+    assert _changed(repo) == {"serve_bench"}
     _set(repo, "joint.common.extra_steps", 10)  # what every method shares re-runs every method
-    assert _changed(repo) == {f"train@{m}" for m in ("dflash", "drelay", "drelay-lite", "dflash2", "domino", "dspark")}
+    assert _changed(repo) == {"serve_bench", *(f"train@{m}" for m in ("dflash", "drelay", "drelay-lite", "dflash2",
+                                                                         "domino", "dspark"))}

@@ -23,8 +23,9 @@ from tests.pipelines.conftest import stop_group
 
 HEADS = ("dflash2", "domino", "dspark")
 STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash", "train@dflash", "train@drelay",
-          "train@drelay-lite", *(f"train@{head}" for head in HEADS), "evaluate")
-METRICS = {**{s: f"joint_{s[6:]}" for s in STAGES if s.startswith("train@")}, "evaluate": "eval"}  # metrics file
+          "train@drelay-lite", *(f"train@{head}" for head in HEADS), "evaluate", "serve_bench")
+METRICS = {**{s: f"joint_{s[6:]}" for s in STAGES if s.startswith("train@")}, "evaluate": "eval",
+           "serve_bench": "serve"}  # metrics file
 BENCHMARKS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "mt_bench", "alpaca")
 EVAL_METHODS = ("ar", "dflash", "dflash2", "domino", "dspark", "drelay-lite", "drelay", "oracle")
 pytestmark = pytest.mark.slow
@@ -121,6 +122,21 @@ def _check_prepared_data(repo: Path) -> None:
             cfg.near_dup_threshold, text
 
 
+def _check_serve_skip(repo: Path, run) -> None:
+    """No CUDA here: serve_bench records the skip with its reason (no numbers), and still writes the prompt
+    files and the exported drafts a GPU host would serve."""
+    from drelay.serving.export import read_serving
+
+    serve = json.loads((repo / "metrics/serve.json").read_text())
+    assert serve["skipped"] == "no CUDA" and "no CUDA device" in serve["reason"] and "results" not in serve
+    assert serve["prompt_files"] == {b: 2 for b in BENCHMARKS} and serve["wall_s"] > 0
+    assert "not measured" in (repo / "reports/serve.md").read_text().lower()
+    rows = (repo / "serve/prompts/gsm8k.jsonl").read_text().splitlines()
+    assert len(rows) == 2 and json.loads(rows[0])["conversations"][0]["role"] == "user"
+    assert read_serving(repo / "serve/drafts/drelay")["relay"] == "relay" and "skipped" in serve["drafts"]["dspark"]
+    assert run.data.tags["skipped"] == "no CUDA" and run.info.status == "FINISHED"
+
+
 def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     repo, uri = smoke_repo, env["MLFLOW_TRACKING_URI"]
     log = _dvc(repo, env, "repro")
@@ -164,6 +180,7 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
         assert {"train_loss", "train_ce", "train_acc", "train_native_acc", "replay_tau",
                 "replay_replace_rate_pos1"} <= set(runs[f"train@{head}"][0].data.metrics)
     _check_evaluation(repo, runs["evaluate"][0])
+    _check_serve_skip(repo, runs["serve_bench"][0])
 
     log = _dvc(repo, env, "repro")  # nothing changed: nothing runs
     assert "Running stage" not in log, log

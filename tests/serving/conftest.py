@@ -20,7 +20,7 @@ NO_SGLANG = ("sglang is not importable here: the serving tests run in .venv-sgla
 # Without sglang (the main .venv never has it) the files that need it are not collected, and the run's
 # summary says so (tests/conftest.py: the hook must be in the root conftest to print under xdist): the export tests (plain drelay) still run here; all of them run in `make test-serving`.
 SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None
-NEEDS_SGLANG = ("test_plugin.py", "test_sglang_load.py")
+NEEDS_SGLANG = ("test_plugin.py", "test_serve_client.py", "test_sglang_load.py")
 collect_ignore = [] if SGLANG_INSTALLED else list(NEEDS_SGLANG)
 
 

@@ -58,14 +58,14 @@ def test_register_is_idempotent_and_answers_as_dflash(sglang_runtime):
     assert spec.create_future_map is not None and spec.supports_overlap
 
 
-def _resolved(algorithm: str, exported) -> dict:
+def _resolved(algorithm: str, exported, argv: list[str] | None = None) -> dict:
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.server_args import prepare_server_args
 
     tmp, out = exported
-    args = prepare_server_args(["--model-path", str(tmp / "target"), "--speculative-algorithm", algorithm,
-                                "--speculative-draft-model-path", str(out), "--device", "cuda",
-                                "--attention-backend", "triton"])
+    argv = argv or ["--model-path", str(tmp / "target"), "--speculative-algorithm", algorithm,
+                    "--speculative-draft-model-path", str(out), "--device", "cuda", "--attention-backend", "triton"]
+    args = prepare_server_args(argv)
     args.resolve_once()
     cfg = resolving_view(args)
     keys = ("speculative_num_draft_tokens", "speculative_num_steps", "speculative_eagle_topk",
@@ -83,6 +83,21 @@ def test_server_args_resolve_like_dflash(sglang_runtime, exported):
     assert drelay.pop("speculative_algorithm") == "DRELAY" and dflash.pop("speculative_algorithm") == "DFLASH"
     assert drelay == dflash
     assert drelay["speculative_num_draft_tokens"] == BLOCK  # read from the export's draft config
+
+
+def test_serve_bench_server_command_resolves_like_the_hand_written_one(sglang_runtime, exported):
+    """What the serve_bench stage launches (`python -m sglang.launch_server` + these args) for DRELAY and DFLASH."""
+    from drelay.serving.bench import server_command
+    from drelay.serving.plugin import register
+
+    register()
+    tmp, out = exported
+    for method, algorithm in (("drelay", "DRELAY"), ("dflash", "DFLASH")):
+        cmd = server_command("python", tmp / "target", 30123, method, out, BLOCK,
+                             extra=["--device", "cuda", "--attention-backend", "triton"])
+        assert cmd[1:3] == ["-m", "sglang.launch_server"]
+        staged, args = _resolved(algorithm, exported, argv=cmd[3:])
+        assert staged == _resolved(algorithm, exported)[0] and (args.host, args.port) == ("127.0.0.1", 30123)
 
 
 def test_factory_gives_the_drelay_worker(sglang_runtime, exported):
