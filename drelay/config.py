@@ -105,11 +105,15 @@ class RunConfig:
     profile: str = "default"  # profile name: MLflow experiment "drelay-<profile>", tag "profile"
     seed: int = 0  # global seed (data split, anchors, init)
     threads: int = 0  # torch CPU threads; 0 = torch's default
+    nproc_per_node: int = 1  # > 1: distill / train_dflash / train@ launch themselves under torchrun
+    nnodes: int = 1  # torchrun nodes (multi-node: see the README for the rendezvous settings)
 
     def __post_init__(self) -> None:
         _require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.profile)), "profile",
                  "letters, digits, '_', '.' or '-'", self.profile)
         _require(self.threads >= 0, "threads", ">= 0", self.threads)
+        _require(self.nproc_per_node >= 1, "nproc_per_node", ">= 1", self.nproc_per_node)
+        _require(self.nnodes >= 1, "nnodes", ">= 1", self.nnodes)
 
 
 @dataclass(frozen=True)
@@ -541,6 +545,28 @@ class ServeConfig:
 
 
 @dataclass(frozen=True)
+class RegistryConfig:
+    """The MLflow model registry (the register stage) and the promotion gate of scheduled retraining."""
+
+    model_prefix: str = "drelay"  # registered model names: <prefix>-<run.profile>-<method>
+    champion_method: str = "drelay"  # the method whose versions the champion alias is gated on
+    alias: str = "champion"
+    temperature: float = 0.0  # the evaluation temperature the gate compares at
+    min_tau_gain: float = 0.0  # promote only if the paired interval of (new - champion) mean τ lies above this
+    speedup_tolerance: float = 0.05  # ... and the new mean live speedup >= the champion's x (1 - this)
+
+    def __post_init__(self) -> None:
+        _require(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", self.model_prefix)), "model_prefix",
+                 "letters, digits, '_', '.' or '-'", self.model_prefix)
+        _require(self.champion_method in JOINT_METHODS, "champion_method", f"one of {', '.join(JOINT_METHODS)}",
+                 self.champion_method)
+        _require(bool(re.fullmatch(r"[a-z][a-z0-9_-]*", self.alias)) and not re.fullmatch(r"v\d+", self.alias),
+                 "alias", "lower-case letters, digits, '_' or '-' (not v<number>)", self.alias)
+        _require(self.temperature >= 0, "temperature", ">= 0", self.temperature)
+        _require(0 <= self.speedup_tolerance < 1, "speedup_tolerance", "in [0, 1)", self.speedup_tolerance)
+
+
+@dataclass(frozen=True)
 class ScheduleConfig:
     """Scheduled retraining: a Prefect deployment that re-runs `dvc repro`."""
 
@@ -567,6 +593,7 @@ class Params:
     joint: JointConfig = field(default_factory=JointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     serve: ServeConfig = field(default_factory=ServeConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
