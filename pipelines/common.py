@@ -126,7 +126,9 @@ def write_metrics(stage: str, metrics: dict, root: str | Path = Path(".")) -> Pa
 
 
 def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None,
-               options: dict[str, dict] | None = None, precheck: Callable[..., None] | None = None) -> Any:
+               options: dict[str, dict] | None = None, precheck: Callable[..., None] | None = None,
+               worker: Callable[..., Any] | None = None,
+               process_group: Callable[[Any], contextlib.AbstractContextManager] | None = None) -> Any:
     """The `__main__` of a stage: `python -m pipelines.<stage> [--params P] [--set s.k=v ...]`.
 
     `options`: the stage's own flags, {name: argparse keyword arguments}, passed to the flow as
@@ -135,6 +137,12 @@ def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None,
     `error: ...` line and exit code 2 (no traceback, no Prefect server start-up); so are the stage's
     inputs when it gives `precheck(params, **options)`, which raises FileNotFoundError naming what is missing.
     The stage's clock (`wall_s` in its metrics) starts after that, before the Prefect server it may start.
+
+    A stage that gives `worker` runs under torchrun when its params ask for it (run.nproc_per_node or
+    run.nnodes > 1): started plainly, it re-executes itself as `python -m torch.distributed.run ...
+    -m pipelines.<stage> <its args>` (`torchrun_command`). Under torchrun every process joins the group
+    (`process_group(params)`, a context manager); rank 0 runs the flow (Prefect, MLflow, metrics, outs)
+    and every other rank `worker(params, **options)`: the same computation, nothing tracked or written.
     """
     parser = argparse.ArgumentParser(description=(flow_fn.__doc__ or "").strip().split("\n")[0])
     parser.add_argument("--params", default="params.yaml", help="params file (default: %(default)s)")
@@ -146,13 +154,66 @@ def stage_main(flow_fn: Callable[..., Any], argv: list[str] | None = None,
     extra = {name: getattr(args, name) for name in options or {}}
     try:
         params = load_params(args.params, args.overrides)
+        wants_torchrun = worker is not None and (params.run.nproc_per_node > 1 or params.run.nnodes > 1)
+        if wants_torchrun and not under_torchrun():
+            if precheck is not None and _node_rank() == 0:  # another node may start before node 0's inputs exist
+                precheck(params, **extra)
+            command = torchrun_command(_stage_module(flow_fn), sys.argv[1:] if argv is None else list(argv),
+                                       params.run.nproc_per_node, params.run.nnodes)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.execv(command[0], command)  # torchrun in this process's place: its signals, its exit code
         if precheck is not None:
             precheck(params, **extra)
-        with stage_clock(), prefect_api() if _is_prefect_flow(flow_fn) else contextlib.nullcontext():
-            return flow_fn(params_path=args.params, overrides=args.overrides, **extra)
+        group = process_group(params) if worker is not None and process_group is not None else contextlib.nullcontext()
+        with group:
+            if worker is not None and int(os.environ.get("RANK", "0")) != 0:
+                return worker(params, **extra)
+            with stage_clock(), prefect_api() if _is_prefect_flow(flow_fn) else contextlib.nullcontext():
+                return flow_fn(params_path=args.params, overrides=args.overrides, **extra)
     except (ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+
+
+# torchrun's own settings for a multi-node run, read from the environment (its `PET_<OPTION>` variables)
+RENDEZVOUS_ENV = ("PET_RDZV_ENDPOINT", "PET_MASTER_ADDR")
+
+
+def under_torchrun() -> bool:
+    """Whether this process is a worker torchrun started (it sets these for every worker it starts)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def _node_rank() -> int:
+    return int(os.environ.get("PET_NODE_RANK", os.environ.get("NODE_RANK", "0")))
+
+
+def _stage_module(flow_fn: Callable[..., Any]) -> str:
+    """The module `python -m` runs for this stage (pipelines.<stage>), to start it again under torchrun."""
+    module = getattr(getattr(flow_fn, "fn", flow_fn), "__module__", "__main__")
+    if module == "__main__":
+        spec = getattr(sys.modules["__main__"], "__spec__", None)
+        module = spec.name if spec is not None else None
+    if not module:
+        raise ConfigError("run.nproc_per_node / run.nnodes > 1: start the stage as `python -m pipelines.<stage>`")
+    return module
+
+
+def torchrun_command(module: str, args: list[str], nproc_per_node: int, nnodes: int) -> list[str]:
+    """`python -m torch.distributed.run` starting `python -m <module> <args>` in nproc_per_node processes on
+    each of nnodes nodes. One node: a standalone rendezvous on a free local port. Several: torchrun reads the
+    rendezvous from its PET_* variables on every node (see the README's Distributed section), e.g.
+    PET_MASTER_ADDR, PET_MASTER_PORT and PET_NODE_RANK, or PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT, PET_RDZV_ID."""
+    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc_per_node}",
+               f"--nnodes={nnodes}"]
+    if nnodes == 1:
+        if not any(name in os.environ for name in RENDEZVOUS_ENV):
+            command.append("--standalone")
+    elif not any(name in os.environ for name in RENDEZVOUS_ENV):
+        raise ConfigError(f"run.nnodes = {nnodes}: set torchrun's rendezvous on every node, e.g. PET_MASTER_ADDR, "
+                          f"PET_MASTER_PORT and PET_NODE_RANK (or PET_RDZV_BACKEND=c10d, PET_RDZV_ENDPOINT, PET_RDZV_ID)")
+    return [*command, "-m", module, *args]
 
 
 # Run as `python -c _DIE_WITH_PARENT <parent pid> <module> <args...>`: asks Linux to SIGTERM this

@@ -2,7 +2,8 @@
 (`dflash`: its CE alone, the equal-budget baseline; `drelay`: backbone + global reader + causal
 selector jointly), same data, same batches, same schedule (DESIGN §1.7). Logs every loss term and the
 held-out replay statistics per block position to MLflow, chooses δ on held-out replay τ (drelay),
-and measures live τ / speedup / the repair's share of a step on the validation prompts.
+and measures live τ / speedup / the repair's share of a step on the validation prompts. With
+run.nproc_per_node / run.nnodes > 1 it trains under torchrun (DistributedDataParallel).
 
     python -m pipelines.train --method drelay [--params P] [--set joint.common.extra_steps=50]
 """
@@ -27,6 +28,7 @@ from drelay.io import read_jsonl  # noqa: E402
 from drelay.models.drafter import BlockDrafter, DrafterError  # noqa: E402
 from drelay.models.methods import load_speculator  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
+from drelay.training import distributed  # noqa: E402
 from drelay.training.trainer import FitResult, train_method  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
 
@@ -101,6 +103,25 @@ def live_method_tau(target: Target, method: str, joint_dir: Path, prompts: list[
     return result.get(method, {})
 
 
+def load_inputs(params) -> tuple[Target, BlockDrafter, list, list]:
+    """The target, the train_dflash drafter (fp32 master weights, bf16 autocast) and the distilled split."""
+    target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)
+    try:
+        drafter = BlockDrafter.load(params.train.out_dir, target).float()
+    except DrafterError as err:
+        raise FileNotFoundError(f"{err} (the train_dflash stage makes it)") from err
+    train, val = split_sequences(load_distilled(params.distill.out_dir), params.train.val_fraction, params.run.seed)
+    return target, drafter, train, val
+
+
+def train_worker(params, method: str):
+    """A torchrun rank other than 0: the same joint training, nothing tracked or written."""
+    apply_run_settings(params)
+    _, drafter, train, val = load_inputs(params)
+    return train_method(method, drafter, train, val, params.joint, params.train, pool_size=params.decode.pool_size,
+                        seed=params.run.seed)
+
+
 @flow(name="train")
 def train_flow(params_path: str = "params.yaml", overrides: list[str] | None = None, method: str = "drelay") -> dict:
     """Joint training of one method from the train_dflash drafter into joint.out_dir/<method>."""
@@ -110,12 +131,7 @@ def train_flow(params_path: str = "params.yaml", overrides: list[str] | None = N
     stage = stage_name(method)
     with stage_run(stage, params, ["target", "drafter", "train", "joint"]) as tracker:
         tracker.client.set_tag(tracker.run_id, "method", method)
-        target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)
-        try:
-            drafter = BlockDrafter.load(train_cfg.out_dir, target).float()  # fp32 master weights, bf16 autocast
-        except DrafterError as err:
-            raise FileNotFoundError(f"{err} (the train_dflash stage makes it)") from err
-        train, val = split_sequences(load_distilled(params.distill.out_dir), train_cfg.val_fraction, params.run.seed)
+        target, drafter, train, val = load_inputs(params)
         curve: dict[str, list[tuple[int, float]]] = {}
 
         def log(metrics: dict, step: int) -> None:
@@ -141,6 +157,7 @@ def train_flow(params_path: str = "params.yaml", overrides: list[str] | None = N
         metrics = {
             "steps": result.steps, "resumed_from_step": result.resumed_from,
             "train_sequences": len(train), "val_sequences": len(val), "train_blocks_per_s": result.blocks_per_s,
+            "processes": distributed.world_size(),
             "replay_tau": final["replay_tau"], "native_tau": final["native_tau"], "oracle_tau": final["oracle_tau"],
             "start_native_tau": result.history[0]["native_tau"],
             "oracle_gap_closed": oracle_gap_closed(final["replay_tau"], final["native_tau"], final["oracle_tau"]),
@@ -173,4 +190,5 @@ def require_inputs(params, method: str) -> None:
 if __name__ == "__main__":
     stage_main(train_flow, options={"method": dict(required=True, choices=JOINT_METHODS,
                                                    help="the head to train (joint.methods lists the stages)")},
-               precheck=require_inputs)
+               precheck=require_inputs, worker=train_worker,
+               process_group=lambda params: distributed.process_group(params.target.device))

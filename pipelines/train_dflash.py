@@ -1,6 +1,7 @@
 """train_dflash: the block drafter on the distilled data with the DFlash objective (random anchors,
 position-decayed CE), early stopping on held-out loss, resumable checkpoints; at the end, live τ
-with the engine on validation prompts."""
+with the engine on validation prompts. With run.nproc_per_node / run.nnodes > 1 it trains under torchrun
+(DistributedDataParallel, the same global batch split over the processes)."""
 
 from pipelines.common import apply_run_settings, configure_environment, stage_main, write_metrics
 
@@ -23,6 +24,7 @@ from drelay.models.drafter import BlockDrafter  # noqa: E402
 from drelay.models.methods import Speculator  # noqa: E402
 from drelay.models.repair import Native  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
+from drelay.training import distributed  # noqa: E402
 from drelay.training.trainer import train_dflash  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
 
@@ -57,6 +59,25 @@ def live_tau(target: Target, drafter: BlockDrafter, prompts: list[dict], max_new
     return result.get("dflash", {})
 
 
+def load_inputs(params) -> tuple[Target, BlockDrafter, list, list]:
+    """The target, a fresh drafter for it (fp32 master weights; matmuls run in bf16 autocast) and the
+    distilled train / held-out split."""
+    target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)
+    d = params.drafter
+    drafter = BlockDrafter.for_target(target, num_layers=d.num_layers, block_size=d.block_size,
+                                      num_context_layers=d.num_context_layers, num_heads=d.num_heads,
+                                      num_kv_heads=d.num_kv_heads, intermediate_size=d.intermediate_size)
+    train, val = split_sequences(load_distilled(params.distill.out_dir), params.train.val_fraction, params.run.seed)
+    return target, drafter.float(), train, val
+
+
+def train_dflash_worker(params):
+    """A torchrun rank other than 0: the same training, nothing tracked or written (rank 0 runs the flow)."""
+    apply_run_settings(params)
+    _, drafter, train, val = load_inputs(params)
+    return train_dflash(drafter, train, val, params.train, pool_size=params.decode.pool_size, seed=params.run.seed)
+
+
 @flow(name=STAGE)
 def train_dflash_flow(params_path: str = "params.yaml", overrides: list[str] | None = None) -> dict:
     """Train the drafter into train.out_dir."""
@@ -64,13 +85,8 @@ def train_dflash_flow(params_path: str = "params.yaml", overrides: list[str] | N
     cfg = params.train
     apply_run_settings(params)
     with stage_run(STAGE, params, ["target", "drafter", "train"]) as tracker:
-        target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)
+        target, drafter, train, val = load_inputs(params)
         d = params.drafter
-        drafter = BlockDrafter.for_target(target, num_layers=d.num_layers, block_size=d.block_size,
-                                          num_context_layers=d.num_context_layers, num_heads=d.num_heads,
-                                          num_kv_heads=d.num_kv_heads, intermediate_size=d.intermediate_size)
-        drafter = drafter.float()  # fp32 master weights; matmuls run in bf16 autocast
-        train, val = split_sequences(load_distilled(params.distill.out_dir), cfg.val_fraction, params.run.seed)
         curve: list[tuple[int, float]] = []
 
         def log(metrics: dict, step: int) -> None:
@@ -95,7 +111,7 @@ def train_dflash_flow(params_path: str = "params.yaml", overrides: list[str] | N
         metrics = {"steps": result.steps, "best_step": result.best_step, "best_val_loss": result.best_val_loss,
                    "stopped_early": int(result.stopped_early), "resumed_from_step": result.resumed_from,
                    "train_sequences": len(train), "val_sequences": len(val),
-                   "train_blocks_per_s": result.blocks_per_s,
+                   "train_blocks_per_s": result.blocks_per_s, "processes": distributed.world_size(),
                    "train_tokens_per_s": result.blocks_per_s * (d.block_size - 1),
                    "replay_tau": last["replay_tau"], "oracle_tau": last["oracle_tau"],
                    **{k: v for k, v in last.items() if k.startswith("val_t")}, **live}
@@ -109,4 +125,5 @@ def train_dflash_flow(params_path: str = "params.yaml", overrides: list[str] | N
 
 
 if __name__ == "__main__":
-    stage_main(train_dflash_flow)
+    stage_main(train_dflash_flow, worker=train_dflash_worker,
+               process_group=lambda params: distributed.process_group(params.target.device))

@@ -8,7 +8,10 @@ Imports only torch and drelay.data.records: importing the spec loads no model li
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, fields, replace
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +68,35 @@ def residual_accept(draft_tokens: torch.Tensor, probs: torch.Tensor, uniforms: t
 
 
 # ------------------------------------------------------------------------------------ losses
+# Every loss here is a weighted mean over a batch, numerator / denominator. Under data parallelism each
+# rank holds a slice of the global batch and DDP averages the ranks' gradients, so a rank's mean must
+# divide by the GLOBAL denominator (times the number of ranks): then the average of the ranks'
+# gradients is the gradient of the global batch's mean, exactly as one process computes it.
+_BATCH_SHARD: ContextVar[tuple[int, Callable[[torch.Tensor], torch.Tensor]] | None] = ContextVar(
+    "drelay_batch_shard", default=None)
+
+
+@contextmanager
+def batch_shard(world_size: int, sum_over_ranks: Callable[[torch.Tensor], torch.Tensor]) -> Iterator[None]:
+    """Inside the block the batch means (`mean_denominator`) are those of a global batch split over
+    `world_size` ranks; `sum_over_ranks(t)` sums a tensor over them (an all-reduce)."""
+    token = _BATCH_SHARD.set((world_size, sum_over_ranks))
+    try:
+        yield
+    finally:
+        _BATCH_SHARD.reset(token)
+
+
+def mean_denominator(total_weight: torch.Tensor, floor: float) -> torch.Tensor:
+    """The denominator of a batch mean: `total_weight.clamp(min=floor)`; inside `batch_shard`, the total
+    over every rank, clamped, divided by the world size (see the comment above)."""
+    shard = _BATCH_SHARD.get()
+    if shard is None:
+        return total_weight.clamp(min=floor)
+    world, sum_over_ranks = shard
+    return sum_over_ranks(total_weight.detach()).clamp(min=floor) / world
+
+
 def position_weights(num_positions: int, gamma: float, device=None) -> torch.Tensor:
     """w_i = exp(-(i-1)/gamma) for block positions i = 1..B-1: early positions matter most,
     because a miss there discards everything after it."""
@@ -76,7 +108,7 @@ def dflash_ce(logits: torch.Tensor, labels: torch.Tensor, gamma: float) -> tuple
     ce = F.cross_entropy(logits.flatten(0, -2).float(), labels.flatten(), ignore_index=IGNORE,
                          reduction="none").view(labels.shape)
     weights = position_weights(labels.shape[-1], gamma, labels.device) * (labels != IGNORE)
-    return (ce * weights).sum() / weights.sum().clamp(min=1e-8), ce
+    return (ce * weights).sum() / mean_denominator(weights.sum(), 1e-8), ce
 
 
 def support_hinge(logits: torch.Tensor, labels: torch.Tensor, k: int, hinge_margin: float = 1.0,
@@ -93,7 +125,7 @@ def support_hinge(logits: torch.Tensor, labels: torch.Tensor, k: int, hinge_marg
     competitors = z.scatter(-1, y, float("-inf"))  # (..., V) without the label
     z_k = competitors.topk(k, dim=-1).values[..., k - 1]
     loss = F.softplus(z_k - z_y + hinge_margin) * valid
-    return loss.sum() / valid.sum().clamp(min=1 if gamma is None else 1e-8)
+    return loss.sum() / mean_denominator(valid.sum(), 1 if gamma is None else 1e-8)
 
 
 def pool_index(pool_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,7 +20,7 @@ import triton.language as tl
 from drelay.kernels.launch import check, interpreting, pow2
 from drelay.kernels.lm_head_topk import lm_head_topk_logits
 from drelay.data.records import IGNORE
-from drelay.kernels.reference import position_weights
+from drelay.kernels.reference import mean_denominator, position_weights
 
 CUDA_CHUNK = 8192  # vocabulary columns per backward step on CUDA: N x 8192 fp32 logits at a time
 
@@ -59,7 +59,7 @@ class _SupportLoss(torch.autograd.Function):
         z_rival, rival = vals.gather(1, col).squeeze(1), ids.gather(1, col).squeeze(1)
         w = row_weights * valid
         hw = hinge_weights * valid
-        w_sum, hw_sum = w.sum().clamp(min=1e-8), hw.sum().clamp(min=1e-8)
+        w_sum, hw_sum = mean_denominator(w.sum(), 1e-8), mean_denominator(hw.sum(), 1e-8)
         ce = ((lse - z_y) * w).sum() / w_sum
         gap = z_rival - z_y + hinge_margin
         hinge = (F.softplus(gap) * hw).sum() / hw_sum

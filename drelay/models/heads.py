@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from drelay.data.records import IGNORE
-from drelay.kernels.reference import candidate_pool, dflash_ce, pool_index, position_weights
+from drelay.kernels.reference import candidate_pool, dflash_ce, mean_denominator, pool_index, position_weights
 from drelay.models.folder import EmbeddingBoundFolder, SharedEmbedding
 from drelay.models.repair import DraftBlock, RepairMethod
 
@@ -252,7 +252,7 @@ class RepairHead(EmbeddingBoundFolder, RepairMethod):
         ce, _ = dflash_ce(out.logits, labels, gamma)
         loss, terms = self._loss(out, labels, ce, gamma, progress)
         valid = labels != IGNORE
-        count = valid.sum().clamp(min=1)
+        count = mean_denominator(valid.sum(), 1)
         terms.update(loss=loss, ce=ce,
                      acc=((self._pick(out.scores, out.ids) == labels) & valid).sum() / count,
                      native_acc=((out.logits.argmax(-1) == labels) & valid).sum() / count)
@@ -297,8 +297,8 @@ class DFlash2Selector(RepairHead):
         index, in_pool = pool_index(out.ids, labels)
         nll = -torch.log_softmax(_wide(out.scores), -1).gather(-1, index[..., None]).squeeze(-1)
         w = self.weights(labels, gamma)
-        selector = (nll * w * in_pool).sum() / w.sum().clamp(min=1e-8)
-        pool_hit = in_pool.sum() / (labels != IGNORE).sum().clamp(min=1)
+        selector = (nll * w * in_pool).sum() / mean_denominator(w.sum(), 1e-8)
+        pool_hit = in_pool.sum() / mean_denominator((labels != IGNORE).sum(), 1)
         return ce + self.config.alpha * selector, {"selector": selector, "pool_hit": pool_hit}
 
 
@@ -388,7 +388,7 @@ class DSparkHead(RepairHead):
         conf = self.confidence_logits(out.hidden, out.context)  # (N, n)
         right = (out.scores.detach().argmax(-1) == labels).to(conf.dtype)
         w = self.weights(labels, gamma)
-        bce = (F.binary_cross_entropy_with_logits(conf, right, reduction="none") * w).sum() / w.sum().clamp(min=1e-8)
+        bce = (F.binary_cross_entropy_with_logits(conf, right, reduction="none") * w).sum() / mean_denominator(w.sum(), 1e-8)
         return markov + self.config.lambda_conf * bce, {"markov_ce": markov, "conf_bce": bce}
 
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from drelay.data.records import IGNORE
 from drelay.config import OMEGA_MODES
-from drelay.kernels.reference import dflash_ce, pool_index, support_hinge
+from drelay.kernels.reference import dflash_ce, mean_denominator, pool_index, support_hinge
 
 
 def reader_bce(support_logits: torch.Tensor, pool_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -17,7 +17,7 @@ def reader_bce(support_logits: torch.Tensor, pool_ids: torch.Tensor, labels: tor
     target = (pool_ids == labels[..., None]).to(support_logits.dtype)  # (..., k)
     valid = (labels != IGNORE)[..., None].expand_as(target).to(support_logits.dtype)
     bce = F.binary_cross_entropy_with_logits(support_logits, target, reduction="none")
-    return (bce * valid).sum() / valid.sum().clamp(min=1)
+    return (bce * valid).sum() / mean_denominator(valid.sum(), 1)
 
 
 @torch.no_grad()
@@ -69,7 +69,7 @@ def repair_loss(sigma: torch.Tensor, pool_ids: torch.Tensor, labels: torch.Tenso
     w = omega.float() * in_pool
     if repair_weight != 1.0:
         w = w * torch.where(index > 0, repair_weight, 1.0)
-    return (ce * w).sum() / w.sum().clamp(min=1e-8)
+    return (ce * w).sum() / mean_denominator(w.sum(), 1e-8)
 
 
 def drelay_loss(logits: torch.Tensor, labels: torch.Tensor, sigma: torch.Tensor, support_logits: torch.Tensor,
@@ -109,6 +109,6 @@ def drelay_loss_from_terms(ce: torch.Tensor, hinge: torch.Tensor, labels: torch.
     support = hinge + bce
     loss = ce_weight * ce + lambda_support * support + lambda_repair * repair
     terms = {"loss": loss, "ce": ce, "support": support, "hinge": hinge, "reader_bce": bce, "repair": repair,
-             "selector_acc": ((sigma.argmax(-1) == index) & in_pool).sum() / in_pool.sum().clamp(min=1),
-             "native_acc": ((index == 0) & in_pool).sum() / in_pool.sum().clamp(min=1)}  # the same, for the top-1
+             "selector_acc": ((sigma.argmax(-1) == index) & in_pool).sum() / mean_denominator(in_pool.sum(), 1),
+             "native_acc": ((index == 0) & in_pool).sum() / mean_denominator(in_pool.sum(), 1)}  # the same, for the top-1
     return loss, {name: t.detach() for name, t in terms.items()}

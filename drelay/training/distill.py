@@ -6,6 +6,10 @@ outputs of the drafter's context layers at every position (the last position's r
 features are never needed, since a block anchored at position a reads positions < a). Sequences
 go into shards of `shard_size`; a shard is written atomically, so a killed run resumes from the
 last complete shard.
+
+Under torchrun (several processes, drelay/training/distributed.py) shard i is made by rank
+i % world_size: each rank writes its own shards, and the shards are the very ones one process writes
+(same prompts, batches and seeds per shard), so a run resumes whatever the number of processes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 from drelay.data.records import MANIFEST, SETTINGS, Sequence, save_shard, summarize
 from drelay.decoding.verify import sample_tokens
 from drelay.models.target import Target, resolve_dtype
+from drelay.training import distributed
 
 
 # Prompt tokens (rows x padded width) per prefill forward. Rows are prefilled in length-sorted groups
@@ -172,22 +177,15 @@ def distill(target: Target, prompts: list[list[int]], out_dir: str | Path, *, ma
     Shards already on disk are kept (resume) when they were made with the same `settings`
     (params, target fingerprint, prompts); otherwise the folder is cleared first. Within a shard,
     prompts are batched by length to waste little on padding. Returns counts and throughput.
+    Under torchrun every rank calls it with the same arguments and makes its own shards (see the module
+    docstring); rank 0 prepares the folder and writes the manifest, and the counts are the whole run's.
     """
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    settings = {**(settings or {}), "max_new_tokens": max_new_tokens, "shard_size": shard_size,
-                "temperature": temperature, "feature_dtype": feature_dtype, "seed": seed,
-                "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]}
-    settings_path = out_dir / SETTINGS
-    if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
-        for old in out_dir.iterdir():  # made with other settings: not resumable
-            old.unlink()
-    # unlink first: DVC may have hard-linked the file to its cache, which must not change in place
-    settings_path.unlink(missing_ok=True)
-    settings_path.write_text(json.dumps(settings, indent=2, sort_keys=True))
-    for stale in out_dir.glob("*.partial"):
-        stale.unlink()
-    (out_dir / MANIFEST).unlink(missing_ok=True)
+    rank, world = distributed.rank(), distributed.world_size()
+    if rank == 0:
+        _prepare_folder(out_dir, settings, max_new_tokens=max_new_tokens, shard_size=shard_size,
+                        temperature=temperature, feature_dtype=feature_dtype, seed=seed, prompts=prompts)
+    distributed.barrier()  # the folder is ready (cleared or resumed) before any rank writes a shard
     fdtype = resolve_dtype(feature_dtype)
     stop = set(stop_ids)
     shards, reused, gen_tokens, gen_seconds = [], 0, 0, 0.0
@@ -195,6 +193,8 @@ def distill(target: Target, prompts: list[list[int]], out_dir: str | Path, *, ma
     for index in range(n_shards):
         name = f"shard_{index:05d}.safetensors"
         shards.append(name)
+        if index % world != rank:  # another rank's shard
+            continue
         path = out_dir / name
         chunk = prompts[index * shard_size: (index + 1) * shard_size]
         if path.is_file():
@@ -216,11 +216,44 @@ def distill(target: Target, prompts: list[list[int]], out_dir: str | Path, *, ma
             if progress:
                 progress(len(batch), sum(s.response_len for s in seqs))
         save_shard([results[i] for i in range(len(chunk))], path, fdtype)
+    # the whole run's counts; these collectives also wait until every rank's shards are on disk
+    reused, gen_tokens = (int(n) for n in distributed.sum_numbers(reused, gen_tokens))
+    (gen_seconds,) = distributed.max_numbers(gen_seconds)  # the ranks generate side by side
+    if rank != 0:
+        return {"shards_reused": reused, "generated_tokens_this_run": gen_tokens}
     summary = summarize(out_dir, shards)
     summary.update({"shards_reused": reused, "generated_tokens_this_run": gen_tokens,
                     "generation_tokens_per_s": gen_tokens / gen_seconds if gen_seconds else 0.0})
     (out_dir / MANIFEST).write_text(json.dumps({"shards": shards, **summary}, indent=2))
     return summary
+
+
+def shard_prompts(n_prompts: int, shard_size: int, rank: int | None = None, world: int | None = None) -> int:
+    """How many of `n_prompts` prompts `rank` (default: this process) distils: those of its shards."""
+    rank = distributed.rank() if rank is None else rank
+    world = distributed.world_size() if world is None else world
+    n_shards = (n_prompts + shard_size - 1) // shard_size
+    return sum(min(shard_size, n_prompts - i * shard_size) for i in range(rank, n_shards, world))
+
+
+def _prepare_folder(out_dir: Path, settings: dict | None, *, max_new_tokens: int, shard_size: int,
+                    temperature: float, feature_dtype: str, seed: int, prompts: list[list[int]]) -> None:
+    """The output folder made ready: cleared when its shards were made with other settings (else they are
+    kept for resuming), the settings written, stale partial shards and the old manifest removed."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    settings = {**(settings or {}), "max_new_tokens": max_new_tokens, "shard_size": shard_size,
+                "temperature": temperature, "feature_dtype": feature_dtype, "seed": seed,
+                "prompts": hashlib.sha256(json.dumps(prompts).encode()).hexdigest()[:16]}
+    settings_path = out_dir / SETTINGS
+    if settings_path.is_file() and json.loads(settings_path.read_text()) != settings:
+        for old in out_dir.iterdir():  # made with other settings: not resumable
+            old.unlink()
+    # unlink first: DVC may have hard-linked the file to its cache, which must not change in place
+    settings_path.unlink(missing_ok=True)
+    settings_path.write_text(json.dumps(settings, indent=2, sort_keys=True))
+    for stale in out_dir.glob("*.partial"):
+        stale.unlink()
+    (out_dir / MANIFEST).unlink(missing_ok=True)
 
 
 def encode_prompts(target: Target, records: list[dict], max_prompt_tokens: int) -> tuple[list[list[int]], int]:

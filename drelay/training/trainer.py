@@ -9,6 +9,12 @@ whose joint loss is the backbone's DFlash CE alone.
     every checkpoint_every: last.pt (weights, optimizer, RNG, history), written atomically
 
 A killed run started again with the same settings, data and starting drafter resumes from last.pt.
+
+Under torchrun (several processes, drelay/training/distributed.py) the loop is data parallel: every rank
+draws the same global batch (same rng), takes its slice (`shard_batch`) and runs the step inside
+DistributedDataParallel; the batch means divide by the global denominators (`batch_shard`), so the
+averaged gradient, and so every update, is the one process's on the same global batch. Every rank
+evaluates (rank 0's numbers are the ones kept); rank 0 alone writes checkpoints and the trained folders.
 Fairness (DESIGN §1.7): every joint method starts from the same drafter, draws the same batches (same
 seed -> same anchors) and runs the same schedule for the same number of steps.
 """
@@ -22,7 +28,7 @@ import math
 import random
 import shutil
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -31,10 +37,12 @@ import torch
 
 from drelay.config import JointConfig, TrainConfig
 from drelay.data.records import BlockBatch, IGNORE, Sequence, make_batch
+from drelay.kernels.reference import batch_shard
 from drelay.decoding.replay import ReplayBlocks, ReplayStats, precompute_blocks, replay
 from drelay.models.drafter import BlockDrafter
 from drelay.models.methods import DRAFTER_FOLDER, create_method, save_method
 from drelay.models.repair import Native, Oracle, Repair, RepairMethod
+from drelay.training import distributed
 
 CHECKPOINT = "last.pt"
 VAL_BATCH = 8  # held-out sequences per evaluation batch
@@ -121,6 +129,38 @@ def block_hidden(drafter: BlockDrafter, batch: BlockBatch) -> torch.Tensor:
     positions = torch.arange(T, device=batch.tokens.device).expand(b, T)
     ctx_kv = drafter.context_kv(batch.features, positions)
     return drafter.forward_anchored(ctx_kv, batch.anchors, batch.anchor_ids, batch.labels.shape[-1] + 1)
+
+
+def shard_batch(batch: BlockBatch, rank: int, world: int) -> BlockBatch:
+    """Rank `rank`'s slice of a global batch split over `world` ranks: contiguous groups of sequences when
+    there are at least `world` of them (padding trimmed to the slice's longest), else groups of each
+    sequence's anchors. Slices may differ in size by one; the global batch means weigh them right."""
+    b, nA = batch.anchors.shape
+    if b >= world:
+        rows = torch.tensor_split(torch.arange(b), world)[rank]
+        T = int(batch.lengths[rows].max())
+        return BlockBatch(batch.features[rows, :T], batch.tokens[rows, :T], batch.lengths[rows],
+                          batch.anchors[rows], batch.anchor_ids[rows], batch.labels[rows])
+    if nA < world:
+        raise ValueError(f"a step of {b} x {nA} blocks cannot be split over {world} processes: "
+                         f"raise train.blocks_per_step or train.anchors_per_sequence")
+    cols = torch.tensor_split(torch.arange(nA), world)[rank]
+    return BlockBatch(batch.features, batch.tokens, batch.lengths, batch.anchors[:, cols],
+                      batch.anchor_ids[:, cols], batch.labels[:, cols])
+
+
+class JointStep(torch.nn.Module):
+    """One training step's forward, blocks -> (the method's joint loss, its terms): the module that
+    DistributedDataParallel wraps under torchrun (its gradient hooks need the forward to go through it)."""
+
+    def __init__(self, drafter: BlockDrafter, method: RepairMethod):
+        super().__init__()
+        self.drafter, self.method = drafter, method
+
+    def forward(self, batch: BlockBatch, gamma: float, progress: float):
+        hidden = block_hidden(self.drafter, batch)
+        return self.method.joint_loss(self.drafter, hidden, batch.labels, batch.anchor_ids, gamma=gamma,
+                                      progress=progress)
 
 
 def sample_batch(train: list[Sequence], s: LoopSettings, block_size: int, rng: random.Random) -> BlockBatch:
@@ -250,8 +290,11 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
         seed: int, settings_key=None, log: Logger | None = None, progress: Progress | None = None) -> FitResult:
     """Train `drafter` and `method` together in place (see the module docstring). Writes the drafter to
     `drafter_dir` and the method's weights (if it has any) to its folder under `method_dir`.
-    settings_key: the method's own settings, part of what a checkpoint must match to be resumed."""
+    settings_key: the method's own settings, part of what a checkpoint must match to be resumed.
+    Under torchrun every rank calls it with the same arguments (`log` and `progress` matter on rank 0)."""
     log = log or (lambda metrics, step: None)
+    rank, world = distributed.rank(), distributed.world_size()
+    main = rank == 0
     drafter_dir, ckpt_dir = Path(drafter_dir), Path(checkpoint_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     blob = json.dumps([method.name, settings_key, dataclasses.asdict(s), dataclasses.asdict(drafter.config),
@@ -278,8 +321,13 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
         torch.set_rng_state(ckpt["torch_rng"])
         step, history, tuned, resumed_from = ckpt["step"], ckpt["history"], ckpt["tuned"], ckpt["step"]
         best_val, best_step, bad_evals = ckpt["best_val"], ckpt["best_step"], ckpt["bad_evals"]
+    if world > 1 and len(set(distributed.gather_objects(step))) > 1:
+        raise RuntimeError(f"the ranks found different checkpoints in {ckpt_dir}: on several nodes, "
+                           f"checkpoint_dir must be on a filesystem they all share")
 
     def checkpoint() -> None:
+        if not main:
+            return
         save_checkpoint(ckpt_path, {
             "hash": state_hash, "drafter": drafter.state_dict(), "method": method.state_dict(),
             "method_state": method.method_state(), "optimizer": optimizer.state_dict(), "rng": rng.getstate(),
@@ -287,7 +335,7 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
             "best_val": best_val, "best_step": best_step, "bad_evals": bad_evals})
 
     def evaluation() -> dict:
-        metrics = evaluate(drafter, method, val, s, pool_size, seed)
+        metrics = distributed.broadcast_object(evaluate(drafter, method, val, s, pool_size, seed))  # rank 0's
         history.append({"step": step, **metrics})
         return metrics
 
@@ -296,17 +344,26 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
     device = drafter.fc.weight.device
     for m in modules:
         m.train()
+    joint_step = JointStep(drafter, method)
+    if world > 1:  # gradients averaged over the ranks; each rank's batch means use the global denominators
+        joint_step = distributed.data_parallel(joint_step)
+        global_means = lambda: batch_shard(world, distributed.sum_over_ranks)  # noqa: E731
+    else:
+        global_means = nullcontext
     stopped_early, blocks_done, train_seconds = False, 0, 0.0
     while step < s.steps:
         t_step = time.perf_counter()
-        batch = sample_batch(train, s, drafter.config.block_size, rng).to(device)
-        with mixed_precision(device, s.precision):
-            hidden = block_hidden(drafter, batch)
-            loss, terms = method.joint_loss(drafter, hidden, batch.labels, batch.anchor_ids, gamma=s.gamma,
-                                            progress=step / s.steps)
+        batch = sample_batch(train, s, drafter.config.block_size, rng)
+        n_blocks = batch.anchors.numel()  # the global batch's, on every rank
+        if world > 1:
+            batch = shard_batch(batch, rank, world)
+        batch = batch.to(device)
+        with mixed_precision(device, s.precision), global_means():
+            loss, terms = joint_step(batch, s.gamma, step / s.steps)
         grad_norm = optimizer_step(optimizer, params, loss, lr_at(step, s), s.grad_clip)
+        terms = distributed.mean_over_ranks(terms)  # the global batch's terms (each rank's is world x its share)
         step += 1
-        blocks_done += batch.anchors.numel()
+        blocks_done += n_blocks
         train_seconds += time.perf_counter() - t_step
         metrics = {**{f"train_{name}": float(value) for name, value in terms.items()},
                    "grad_norm": float(grad_norm), "lr": lr_at(step - 1, s)}
@@ -322,6 +379,9 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
                 blocks = None if method.needs_logits else blocks_as_trained(drafter, seqs, pool_size, s.precision)
                 tuned = method.tune(lambda hook: replay_as_trained(drafter, seqs, pool_size, s.precision, hook,
                                                                    blocks).tau)
+            if world > 1:  # every rank tuned the same weights; rank 0's choice is the one kept
+                tuned = distributed.broadcast_object(tuned)
+                method.load_method_state(distributed.broadcast_object(method.method_state()))
             if tuned:
                 log({f"tune_tau_{m:g}".replace("+", ""): tau for m, tau in tuned.items()}, step)  # MLflow: no "+"
         if step % s.eval_every == 0 or last:
@@ -331,7 +391,7 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
             log(metrics, step)
             if metrics["val_loss"] < best_val:
                 best_val, best_step, bad_evals = metrics["val_loss"], step, 0
-                if s.keep_best:
+                if s.keep_best and main:
                     drafter.save(ckpt_dir / "best")
             else:
                 bad_evals += 1
@@ -342,15 +402,17 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
         if stopped_early:
             break
 
-    for folder in (drafter_dir, method_dir):
-        if folder is not None:
-            shutil.rmtree(folder, ignore_errors=True)
-    if s.keep_best:  # the best weights, wherever training stopped
-        shutil.copytree(ckpt_dir / "best", drafter_dir)
-    else:
-        drafter.save(drafter_dir)
-    if method_dir is not None:
-        save_method(method, method_dir)
+    if main:
+        for folder in (drafter_dir, method_dir):
+            if folder is not None:
+                shutil.rmtree(folder, ignore_errors=True)
+        if s.keep_best:  # the best weights, wherever training stopped
+            shutil.copytree(ckpt_dir / "best", drafter_dir)
+        else:
+            drafter.save(drafter_dir)
+        if method_dir is not None:
+            save_method(method, method_dir)
+    distributed.barrier()  # every rank returns once the trained folders are written
     return FitResult(method.name, step, best_step, best_val, stopped_early, resumed_from,
                      blocks_done / train_seconds if train_seconds else 0.0, tuned, method.eval_metrics(), history)
 
