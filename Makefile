@@ -1,5 +1,7 @@
 # make setup | make test [PYTEST_ARGS=...] | make repro [PROFILE=name] | make ablation [PROFILE=name] | make ui [UI_PORT=5000]
 # make schedule [PROFILE=name] (Ctrl-C stops serving) | make schedule-stop (stops the server)
+# make push / make pull [PROFILE=name] [REMOTE=url]  (a shared DVC remote: pipelines/remote.py)
+# make promote [PROFILE=name]  (the champion gate on the last reproduction: pipelines/promote.py)
 # make setup-sglang | make test-serving [PYTEST_ARGS=...]  (SGLang plugin, its own venv .venv-sglang)
 SHELL := /bin/bash
 VENV := .venv
@@ -21,7 +23,7 @@ export DO_NOT_TRACK := 1
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
-.PHONY: setup test repro ablation ui schedule schedule-stop setup-sglang test-serving
+.PHONY: setup test repro ablation ui schedule schedule-stop setup-sglang test-serving push pull promote
 
 setup: $(STAMP)
 
@@ -37,8 +39,17 @@ $(STAMP): pyproject.toml Makefile
 # Two workers, one per core, each test file on one worker (module fixtures such as the reproduced smoke
 # pipeline are made once); XDIST= runs in one process.
 XDIST ?= -n 2 --dist loadfile
+# Then the SGLang serving tests in their own venv (.venv-sglang), set up in the background while the main
+# suite runs (a fresh set-up takes ~3 min, mostly downloads and unpacking). SERVING=0 leaves them out, and says so.
+SERVING ?= 1
 test: setup
-	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	@if [ "$(SERVING)" = 1 ]; then $(MAKE) --no-print-directory setup-sglang > .setup-sglang.log 2>&1 & fi; \
+	setup_pid=$$!; \
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS); rc=$$?; \
+	if [ "$(SERVING)" != 1 ]; then echo "SERVING=0: the SGLang serving tests (make test-serving) were not run"; exit $$rc; fi; \
+	if ! wait $$setup_pid; then echo "make setup-sglang failed (.setup-sglang.log):"; tail -30 .setup-sglang.log; exit 1; fi; \
+	$(SGLANG_PY) -m pytest -q tests/serving; srv=$$?; \
+	exit $$(( rc != 0 ? rc : srv ))
 
 # PROFILE=name: runs/<name>/ with profiles/<name>.yaml as its params.yaml (pipelines/profile.py);
 # the committed params.yaml is not touched.
@@ -57,11 +68,26 @@ ABLATION_ARGS ?=
 ablation: setup
 	cd $(if $(PROFILE),runs/$(PROFILE),.) && PATH="$(VENV_PATH)" $(abspath $(PY)) -m pipelines.ablation $(ABLATION_ARGS)
 
+# A shared DVC remote: REMOTE=url is saved as the workspace's default (.dvc/config.local); without one,
+# $DRELAY_DVC_REMOTE or ../drelay-dvc-remote. Outputs and DVC's run cache go up; `make pull` on another
+# machine (same commit) brings them back instead of re-running the stages.
+REMOTE ?=
+WORKSPACE = $(if $(PROFILE),runs/$(PROFILE),.)
+push: setup
+	$(PY) -m pipelines.remote push --workspace $(WORKSPACE) $(if $(REMOTE),--remote $(REMOTE))
+pull: setup
+	$(PY) -m pipelines.remote pull --workspace $(WORKSPACE) $(if $(REMOTE),--remote $(REMOTE))
+
+# The promotion gate by hand (scheduled retraining runs it after each reproduction).
+promote: setup
+	cd $(WORKSPACE) && PATH="$(VENV_PATH)" $(abspath $(PY)) -m pipelines.promote
+
 # Every profile's runs, one experiment per profile (drelay-<profile>).
 # Light for a laptop: one web worker (MLflow's default is 4) and no job consumers (they run MLflow's GenAI
 # jobs, which nothing here uses; by default the server starts several).
 UI_WORKERS ?= 1
 ui: setup
+	@$(PY) -m pipelines.ui $(UI_PORT)
 	MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false $(VENV)/bin/mlflow ui --backend-store-uri sqlite:///mlflow.db \
 		--default-artifact-root ./mlartifacts --host 127.0.0.1 --port $(UI_PORT) --workers $(UI_WORKERS)
 

@@ -37,10 +37,47 @@ def _usage_error(args) -> str | None:
     return None
 
 
+def resolve_registered(args) -> str | None:
+    """--model: download the version's folder and point --drafter/--method/--method-dir at it; an error
+    message (None: fine). A registered folder holds drafter/, the method's relay/ or head/, and
+    drelay_bundle.json naming the method."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    if args.model is None:
+        return None if args.drafter else "give --drafter DIR (or --model models:/NAME@ALIAS)"
+    if args.drafter or args.method_dir:
+        return "--model replaces --drafter and --method-dir: give one or the other"
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    import mlflow
+    from mlflow.exceptions import MlflowException
+
+    uri = args.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{Path('mlflow.db').resolve()}"
+    mlflow.set_tracking_uri(uri)
+    mlflow.set_registry_uri(uri)
+    try:
+        path = Path(mlflow.artifacts.download_artifacts(artifact_uri=args.model,
+                                                        dst_path=tempfile.mkdtemp(prefix="drelay-model-")))
+        info = json.loads((path / "drelay_bundle.json").read_text())
+    except (MlflowException, OSError, json.JSONDecodeError) as err:
+        return f"cannot load {args.model} from {uri}: {str(err).splitlines()[0]}"
+    if args.method not in (None, info["method"]):
+        return f"{args.model} is a {info['method']} model, not {args.method}: drop --method"
+    args.drafter, args.method, args.method_dir = str(path / "drafter"), info["method"], str(path)
+    print(f"{args.model}: {info['method']} from pipeline_run {info.get('pipeline_run')} ({path})", file=sys.stderr)
+    return None
+
+
 def cmd_generate(args) -> int:
     from drelay.decoding.check import compare_to_ar
     from drelay.decoding.generate import ar_generate, speculative_generate
 
+    problem = resolve_registered(args)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    args.method = args.method or "dflash"
     problem = _usage_error(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)
@@ -131,11 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="speculative decoding of one chat prompt")
     g.add_argument("--target", required=True, help="HF folder or id of the target model")
-    g.add_argument("--drafter", required=True, help="drafter folder (config.json + model.safetensors)")
+    g.add_argument("--drafter", help="drafter folder (config.json + model.safetensors); or give --model")
+    g.add_argument("--model", metavar="URI",
+                   help="a registered model version instead of --drafter/--method/--method-dir, e.g. "
+                        "models:/drelay-default-drelay@champion or models:/drelay-default-dflash/3 "
+                        "(the register stage)")
+    g.add_argument("--tracking-uri", default=None,
+                   help="the MLflow store holding --model (default: $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
     g.add_argument("--prompt", required=True, help="user message (wrapped in the chat template)")
-    g.add_argument("--method", choices=list(METHODS), default="dflash",
-                   help="the repair method: dflash verifies the drafter's native top-1; drelay, dflash2, domino, "
-                        "dspark repair the block first (--method-dir); oracle picks AR's token when it is in the pool")
+    g.add_argument("--method", choices=list(METHODS), default=None,
+                   help="the repair method (default dflash): dflash verifies the drafter's native top-1; drelay, "
+                        "dflash2, domino, dspark repair the block first (--method-dir); oracle picks AR's token when "
+                        "it is in the pool")
     g.add_argument("--method-dir", default=None,
                    help="a trained method's folder, <joint.out_dir>/<method> (holds relay/ or head/)")
     g.add_argument("--raw", action="store_true", help="use the prompt as plain text, no chat template")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gzip
+import hashlib
 import importlib.util
 import json
 import os
@@ -114,3 +115,15 @@ def load_rows(path: Path, hub: HubSource | None) -> list[dict]:
         return [dict(row) for row in load_dataset(hub.id, hub.config, split=hub.split)]
     except Exception as e:  # no network, gated set, renamed split: all end the same way
         raise DataNotFoundError(f"{missing}, and loading {hub.id} from the hub failed ({e}). {MIRROR_FIX}") from e
+
+
+def folder_fingerprint(path: str | Path) -> str:
+    """sha256 over every file under `path` (relative names and contents)."""
+    digest = hashlib.sha256()
+    root = Path(path)
+    for file in sorted(p for p in root.rglob("*") if p.is_file()):
+        digest.update(str(file.relative_to(root)).encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()[:16]

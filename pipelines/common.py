@@ -111,10 +111,14 @@ def write_metrics(stage: str, metrics: dict, root: str | Path = Path(".")) -> Pa
     start = _STAGE_START.get()
     if start is not None:
         metrics = {**metrics, "wall_s": time.perf_counter() - start}
-    out = Path(root) / "metrics" / f"{stage}.json"
+    return write_json_atomic(Path(root) / "metrics" / f"{stage}.json", _rounded(metrics), indent=2)
+
+
+def write_json_atomic(out: Path, value: Any, indent: int | None = None) -> Path:
+    """`value` as JSON into `out` (sorted keys), written beside it first and renamed: never half a file."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_rounded(metrics), sort_keys=True, indent=2) + "\n"
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{stage}.", suffix=".tmp")
+    text = json.dumps(value, sort_keys=True, indent=indent) + "\n"
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.stem}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)

@@ -5,12 +5,13 @@ speedup, tokens/s and the identical-to-AR check by live decoding of a few prompt
 process (drelay/eval/run.py says why replay is exact at T=0 and unbiased at T>0). Writes
 metrics/eval.json ({T: {benchmark: {method: {metric: value}}}} with a `mean` row), reports/eval.md,
 reports/eval_{tau,acceptance,repair}.png, and logs all of it to MLflow (metric `<T>/<benchmark>/<method>/<metric>`).
-Finished cells are kept under eval.out_dir: a killed run continues where it stopped.
+Finished cells are kept under eval.out_dir: a killed run continues where it stopped. eval.out_dir/sample_taus.json
+holds every method's per-sample replay τ (what the register stage attaches to each model version).
 
     python -m pipelines.evaluate [--params P] [--set eval.live_max_new_tokens=64]
 """
 
-from pipelines.common import apply_run_settings, configure_environment, stage_main, write_metrics
+from pipelines.common import apply_run_settings, configure_environment, stage_main, write_json_atomic, write_metrics
 
 configure_environment()
 
@@ -28,6 +29,7 @@ from drelay.models.target import Target  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
 
 REPORT = Path("reports/eval.md")
+SAMPLE_TAUS = "sample_taus.json"  # under eval.out_dir
 PLOTS = {"tau": Path("reports/eval_tau.png"), "acceptance": Path("reports/eval_acceptance.png"),
          "repair": Path("reports/eval_repair.png")}
 
@@ -66,6 +68,9 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
         bad = nonfinite(result.tables)
         if bad:
             raise RuntimeError(f"non-finite evaluation numbers: {', '.join(bad[:10])}")
+        # per-sample τ and the evaluation's stamps: what the register stage gives each model version, so the
+        # promotion gate can compare two versions sample by sample (pipelines/registry.py)
+        write_json_atomic(Path(cfg.out_dir) / SAMPLE_TAUS, {"taus": result.sample_taus, "stamps": result.stamps})
         any_method = next(iter(methods.values()), None)
         info = {"target": params.target.path, "dtype": params.target.dtype, "device": str(target.device),
                 "pool_size": params.decode.pool_size, "sampling_rule": params.decode.sampling_rule,

@@ -99,6 +99,30 @@ def test_every_stage_depends_on_exactly_the_code_it_imports():
     assert coverage_problems() == []
 
 
+def missing_params(profile: Path, dvc_yaml: Path = ROOT / "dvc.yaml") -> list[str]:
+    """The stage params (`joint.${item}` for each of the profile's joint.methods) absent from a params file:
+    DVC refuses to run a stage whose params are missing, whatever their defaults in drelay/config.py."""
+    values = yaml.safe_load(profile.read_text())
+    missing = []
+    for name, stage in yaml.safe_load(dvc_yaml.read_text())["stages"].items():
+        body = stage.get("do", stage)
+        items = values.get("joint", {}).get("methods", []) if "foreach" in stage else [None]
+        for item in items:
+            for key in body.get("params", []):
+                node = values
+                for part in key.replace("${item}", str(item)).split("."):
+                    node = node.get(part) if isinstance(node, dict) else None
+                if node is None and not isinstance(node, (dict, list)):
+                    missing.append(f"{profile.name}: {name}{'@' + item if item else ''} needs {key}")
+    return missing
+
+
+@pytest.mark.parametrize("profile", [ROOT / "params.yaml", *sorted((ROOT / "profiles").glob("*.yaml"))],
+                         ids=lambda p: p.name)
+def test_every_profile_has_every_params_key_the_stages_read(profile):
+    assert missing_params(profile) == []
+
+
 def test_the_check_catches_a_missing_and_a_stale_dep(tmp_path):
     """The check can fail both ways: a stage whose deps miss a module it imports, or list one it does not."""
     text = (ROOT / "dvc.yaml").read_text()
@@ -134,7 +158,7 @@ def _fake_outputs(repo: Path) -> None:
              "reports/eval_tau.png", "reports/eval_acceptance.png", "reports/eval_repair.png",
              "metrics/prepare_target.json", "metrics/prepare_data.json", "metrics/distill.json",
              "metrics/train_dflash.json", "metrics/eval.json", "serve/prompts/gsm8k.jsonl", "reports/serve.md",
-             "metrics/serve.json"]
+             "metrics/serve.json", "data/eval/sample_taus.json", "metrics/register.json"]
     for method in params["joint"]["methods"]:
         files += [f"{joint_out}/{method}/drafter/config.json", f"reports/joint_{method}.png",
                   f"metrics/joint_{method}.json"]
@@ -194,18 +218,22 @@ def test_one_methods_settings_rerun_only_its_stage_then_evaluate(locked_repo):
     repo = locked_repo
     _set(repo, "joint.domino.rank", 64)
     assert _changed(repo) == {"train@domino"}
-    # its new output (as a re-run would write it) leaves evaluate, and only evaluate, out of date
+    # its new output (as a re-run would write it) leaves evaluate out of date, and register, which files the
+    # retrained domino with its evaluation in the model registry (it reads evaluate's results)
     (repo / "models/joint/domino/drafter/config.json").write_text('{"retrained": true}\n')
     _dvc(repo, "commit", "-f", "-q", "train@domino")
-    assert _changed(repo) == {"evaluate"}
-    _dvc(repo, "commit", "-f", "-q", "evaluate")
+    assert _changed(repo) == {"evaluate", "register"}
+    _dvc(repo, "commit", "-f", "-q", "evaluate", "register")
     _set(repo, "joint.drelay.lambda_repair", 0.5)
     assert _changed(repo) == {"train@drelay"}
     # a method SGLang serves (dflash, drelay) also re-runs serve_bench; domino above did not
     (repo / "models/joint/drelay/drafter/config.json").write_text('{"retrained": true}\n')
     _dvc(repo, "commit", "-f", "-q", "train@drelay")
-    assert _changed(repo) == {"evaluate", "serve_bench"}
-    _dvc(repo, "commit", "-f", "-q", "evaluate", "serve_bench")
+    assert _changed(repo) == {"evaluate", "register", "serve_bench"}
+    _dvc(repo, "commit", "-f", "-q", "evaluate", "register", "serve_bench")
+    _set(repo, "registry.min_tau_gain", 0.01)  # the registry settings re-run only register
+    assert _changed(repo) == {"register"}
+    _dvc(repo, "commit", "-f", "-q", "register")
     _set(repo, "serve.concurrency", [1, 4])  # the serving settings re-run only serve_bench
     assert _changed(repo) == {"serve_bench"}
     _set(repo, "joint.common.extra_steps", 10)  # what every method shares re-runs every method

@@ -125,6 +125,7 @@ class EvalResult:
     sample_taus: dict[str, dict[str, dict[str, list[float]]]] = field(default_factory=dict)  # [T][method][bench]
     focus: str | None = None  # the method `paired` compares with the others
     paired: dict[str, dict[str, dict[str, Paired]]] = field(default_factory=dict)  # [T][other][bench]: focus - other
+    stamps: dict[str, dict[str, str]] = field(default_factory=dict)  # [T][bench]: what makes per-sample τ comparable
     reused: int = 0
     computed: int = 0
 
@@ -212,16 +213,11 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
         pooled: dict[str, ReplayStats] = {}
         result.live_records[tkey], result.sequences[tkey] = {}, {}
         for bench in cfg.benchmarks:
-            n, max_new = cfg.per_benchmark("samples", bench), cfg.per_benchmark("max_new_tokens", bench)
-            samples = load_prepared_benchmark(benchmarks_dir, bench, n)
-            seqs: list[Sequence] = continuations(
-                target, samples, out_dir / "continuations" / tkey / bench, max_new_tokens=max_new,
-                max_prompt_tokens=max_prompt_tokens, batch_size=cfg.batch_size, temperature=temperature, seed=seed)
+            seqs, base = benchmark_sequences(target, cfg, bench, temperature, benchmarks_dir=benchmarks_dir,
+                                             pool_size=pool_size, max_prompt_tokens=max_prompt_tokens, seed=seed,
+                                             precision=precision, target_fp=target_fp)
             result.sequences[tkey][bench] = len(seqs)
-            base = {"version": CELL_VERSION, "target": target_fp, "benchmark": bench, "temperature": temperature, "samples": n,
-                    "max_new_tokens": max_new, "max_prompt_tokens": max_prompt_tokens, "pool_size": pool_size,
-                    "seed": seed, "continuations": _sequences_digest(seqs),
-                    **({} if precision == "bfloat16" else {"precision": precision})}
+            result.stamps.setdefault(tkey, {})[bench] = stamp_digest(base)
             stats: dict[str, ReplayStats] = {}
             for name in trained:
                 stamp = {**base, "method": name, "model": methods[name].fingerprint}
@@ -258,6 +254,43 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
             result.paired[tkey] = {other: paired_bootstrap(taus[focus], taus[other], seed=seed)
                                    for other in trained if other != focus}
     return result
+
+
+def benchmark_sequences(target: Target, cfg: EvalConfig, bench: str, temperature: float, *,
+                        benchmarks_dir: str | Path, pool_size: int, max_prompt_tokens: int, seed: int,
+                        precision: str, target_fp: str | None = None) -> tuple[list[Sequence], dict]:
+    """One benchmark's target continuations at `temperature` (written once under `cfg.out_dir`, then reused)
+    and the stamp of everything a replayed τ on them depends on besides the method's model."""
+    n, max_new = cfg.per_benchmark("samples", bench), cfg.per_benchmark("max_new_tokens", bench)
+    samples = load_prepared_benchmark(benchmarks_dir, bench, n)
+    seqs: list[Sequence] = continuations(
+        target, samples, Path(cfg.out_dir) / "continuations" / temperature_key(temperature) / bench,
+        max_new_tokens=max_new, max_prompt_tokens=max_prompt_tokens, batch_size=cfg.batch_size,
+        temperature=temperature, seed=seed)
+    base = {"version": CELL_VERSION, "target": target_fp or target.fingerprint(), "benchmark": bench,
+            "temperature": temperature, "samples": n, "max_new_tokens": max_new, "max_prompt_tokens": max_prompt_tokens,
+            "pool_size": pool_size, "seed": seed, "continuations": _sequences_digest(seqs),
+            **({} if precision == "bfloat16" else {"precision": precision})}
+    return seqs, base
+
+
+def stamp_digest(stamp: dict) -> str:
+    return hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def replay_sample_taus(target: Target, speculator: Speculator, cfg: EvalConfig, temperature: float, *,
+                       benchmarks_dir: str | Path, pool_size: int, max_prompt_tokens: int, seed: int,
+                       precision: str) -> tuple[dict[str, list[float]], dict[str, str]]:
+    """One method's per-sample replay τ on the evaluation's continuations at `temperature`, per benchmark, and
+    the stamps (`EvalResult.stamps`) of that evaluation: what the promotion gate compares a registered model on."""
+    taus, stamps = {}, {}
+    for bench in cfg.benchmarks:
+        seqs, base = benchmark_sequences(target, cfg, bench, temperature, benchmarks_dir=benchmarks_dir,
+                                         pool_size=pool_size, max_prompt_tokens=max_prompt_tokens, seed=seed,
+                                         precision=precision)
+        stats = replay_methods({"m": speculator}, seqs, pool_size, autocast=precision == "bfloat16")["m"]
+        taus[bench], stamps[bench] = list(stats.taus), stamp_digest(base)
+    return taus, stamps
 
 
 def _sequences_digest(seqs: list[Sequence]) -> str:

@@ -3,8 +3,9 @@
 `F.linear(x, W)` computes x @ W^T. On the CPUs we run on (2 AVX2 cores, PyTorch's MKL build) that
 call is slow when x has few rows, as in a decode step (1 row), a verification (8-16 rows) or the
 drafter's LM head over one block (7 rows): the same product computed as (W @ x^T)^T is 1.2-4x faster
-in float32 (the 49,152 x 576 LM head over 8 rows: 57 ms -> 13 ms, measured with
-`benchmarks/target_forward.py`). Large row counts and other dtypes keep `F.linear`.
+in float32 (the 49,152 x 576 LM head over 8 rows, timed side by side in one process on this 2-core machine
+while it was busy: 128 ms -> 41-48 ms, 2.7-3.1x; `benchmarks/target_forward.py` measures whole target
+forwards with and without the rule). Large row counts and other dtypes keep `F.linear`.
 
 The two orders sum in a different order, so results agree to float rounding, not bit for bit;
 every forward of a patched module uses the rule, so speculative and plain decoding see the same

@@ -7,12 +7,12 @@ Everything above the models (engine, replay, evaluation, training, CLI) reaches 
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from torch import nn
 
+from drelay.io import folder_fingerprint
 from drelay.models.cpu_linear import use_few_row_linear
 from drelay.models.drafter import BlockDrafter
 from drelay.models.heads import HEADS
@@ -57,18 +57,6 @@ def _few_row(method: RepairMethod) -> RepairMethod:
 def save_method(method: RepairMethod, method_dir: str | Path) -> None:
     if method.folder_name:
         method.save(Path(method_dir) / method.folder_name)
-
-
-def folder_fingerprint(path: str | Path) -> str:
-    """sha256 over every file under `path` (relative names and contents)."""
-    digest = hashlib.sha256()
-    root = Path(path)
-    for file in sorted(p for p in root.rglob("*") if p.is_file()):
-        digest.update(str(file.relative_to(root)).encode())
-        with open(file, "rb") as f:
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
-    return digest.hexdigest()[:16]
 
 
 @dataclass

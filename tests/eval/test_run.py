@@ -13,7 +13,8 @@ import torch
 from drelay.config import EvalConfig
 from drelay.eval.report import markdown, plot_acceptance, plot_repair, plot_tau, repair_outcomes
 from drelay.eval.run import AR, CellStore, run_grid, temperature_key
-from drelay.models.methods import Speculator, folder_fingerprint
+from drelay.io import folder_fingerprint
+from drelay.models.methods import Speculator
 from drelay.models.repair import Native, Oracle
 from tests.methods import Hook
 

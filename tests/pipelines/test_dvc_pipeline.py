@@ -23,7 +23,7 @@ from tests.pipelines.conftest import stop_group
 
 HEADS = ("dflash2", "domino", "dspark")
 STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash", "train@dflash", "train@drelay",
-          "train@drelay-lite", *(f"train@{head}" for head in HEADS), "evaluate", "serve_bench")
+          "train@drelay-lite", *(f"train@{head}" for head in HEADS), "evaluate", "register", "serve_bench")
 METRICS = {**{s: f"joint_{s[6:]}" for s in STAGES if s.startswith("train@")}, "evaluate": "eval",
            "serve_bench": "serve"}  # metrics file
 BENCHMARKS = ("gsm8k", "math500", "aime24", "aime25", "humaneval", "mbpp", "mt_bench", "alpaca")
@@ -189,6 +189,76 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     # Which stages a params change re-runs is checked on a locked repo without training
     # (tests/test_dvc_deps.py), and which eval cells a changed model recomputes in-process
     # (tests/eval/test_run.py): re-running stages here would only repeat them at minutes' cost.
+
+
+def _trigger_retrain(env: dict, workdir: Path, tmp_path: Path) -> dict:
+    """Serve the retrain deployment (`python -m pipelines.schedule`, what `make schedule` runs) and trigger one
+    run on `workdir` through Prefect; {"state", "logs"} of that run."""
+    from tests.pipelines.test_schedule import TRIGGER
+
+    params = tmp_path / "schedule.yaml"
+    params.write_text('schedule:\n  cron: "0 3 * * 0"\n')
+    served_env = {**env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    log = tmp_path / "serve.log"
+    with open(log, "w") as out:
+        server = subprocess.Popen([sys.executable, "-m", "pipelines.schedule", "--params", str(params)],
+                                  cwd=REPO_ROOT, env=served_env, stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
+    try:
+        done = subprocess.run([sys.executable, "-c", TRIGGER.replace("timeout=120", "timeout=600"), str(workdir)],
+                              env=served_env, capture_output=True, text=True, timeout=900)
+    finally:
+        stop_group(server, first=signal.SIGINT)
+    assert done.returncode == 0, done.stderr[-3000:] + log.read_text()[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["runs"][0]
+
+
+def _retrain_summaries(uri: str) -> list[dict]:
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=uri)
+    experiment = client.get_experiment_by_name("drelay-smoke")
+    runs = client.search_runs([experiment.experiment_id], "tags.stage = 'retrain'", order_by=["attributes.start_time"])
+    out = []
+    for run in runs:
+        path = client.download_artifacts(run.info.run_id, "retrain_summary.json")
+        out.append({**json.loads(Path(path).read_text()), "status": run.info.status, "tags": run.data.tags})
+    return out
+
+
+def test_scheduled_retrain_gates_the_champion_and_a_failed_run_leaves_it(smoke_repo, env, tmp_path):
+    """A real scheduled run on the reproduced smoke profile: the pipeline is up to date, the register stage's
+    versions exist, the gate makes the first DRelay version the champion; then a run whose pipeline fails
+    (a bad params key) leaves the champion where it was, and both runs' summaries are in MLflow."""
+    from mlflow.tracking import MlflowClient
+
+    repo, uri = smoke_repo, env["MLFLOW_TRACKING_URI"]
+    client = MlflowClient(tracking_uri=uri)
+    registered = json.loads((repo / "metrics/register.json").read_text())["models"]
+    assert set(registered) == {"dflash", "drelay", "drelay-lite", *HEADS}
+    versions = client.search_model_versions("name = 'drelay-smoke-drelay'")
+    assert len(versions) == 1 and versions[0].tags["method"] == "drelay" and "T0.tau" in versions[0].tags
+
+    run = _trigger_retrain(env, repo, tmp_path)
+    assert run["state"] == "COMPLETED", run["logs"][-30:]
+    champion = client.get_model_version_by_alias("drelay-smoke-drelay", "champion")
+    assert int(champion.version) == registered["drelay"]["version"] == 1
+    (summary,) = _retrain_summaries(uri)
+    assert summary["pipeline"] == "succeeded" and summary["gate"]["promoted"] and summary["status"] == "FINISHED"
+    assert "no champion yet" in summary["gate"]["reason"] and summary["tags"]["gate"] == "promoted"
+
+    params = (repo / "params.yaml").read_text()
+    try:
+        _set_params(repo, {"joint.common.no_such_key": 1})
+        run = _trigger_retrain(env, repo, tmp_path)
+    finally:
+        (repo / "params.yaml").write_text(params)
+    assert run["state"] == "FAILED"
+    assert int(client.get_model_version_by_alias("drelay-smoke-drelay", "champion").version) == 1
+    failed = _retrain_summaries(uri)[-1]
+    assert failed["pipeline"] == "failed" and failed["status"] == "FAILED" and failed["champion"] == 1
+    assert "no_such_key" in failed["error"] and failed["tags"]["gate"] == "not run"
+    assert len(client.search_model_versions("name = 'drelay-smoke-drelay'")) == 1
 
 
 def test_the_ablation_trains_each_variant_once_and_writes_its_table(smoke_repo, env, in_process_stage, monkeypatch):

@@ -61,6 +61,7 @@ def served(tmp_path, prefect_server, subprocess_env):
     params = tmp_path / "params.yaml"
     params.write_text('schedule:\n  cron: "0 3 * * 0"\n  timezone: Europe/Paris\n')
     env = {**subprocess_env, "PREFECT_API_URL": prefect_server,
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",  # the runs' summaries
            "PREFECT_RUNNER_POLL_FREQUENCY": "1"}  # pick triggered runs up within a second
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
@@ -102,3 +103,25 @@ def test_served_deployment_runs_dvc_repro(tmp_path, served, subprocess_env):
     assert "Running stage 'hello':" in good["logs"]  # dvc's own output, streamed into the run log
     assert bad["state"] == "FAILED"  # dvc repro outside a DVC repo exits non-zero
     assert any("dvc repro exited with code" in m for m in bad["logs"])
+    # each run's summary in MLflow (no params file: the default profile's experiment); this pipeline registers
+    # no models, so the gate does not run (tests/pipelines/test_dvc_pipeline.py has a pipeline that does)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(env["MLFLOW_TRACKING_URI"])
+    runs = client.search_runs([client.get_experiment_by_name("drelay-default").experiment_id],
+                              "tags.stage = 'retrain'", order_by=["attributes.start_time"])
+    assert [(r.data.tags["pipeline"], r.data.tags["gate"], r.info.status) for r in runs] == [
+        ("succeeded", "not run", "FINISHED"), ("failed", "not run", "FAILED")]
+    summary = json.loads(Path(client.download_artifacts(runs[0].info.run_id, "retrain_summary.json")).read_text())
+    assert summary["gate_skipped"].startswith("the pipeline has no register stage")
+
+
+def test_a_params_file_that_does_not_load_still_names_its_profile(tmp_path):
+    """A pipeline run that failed on a bad key: its summary still goes to the profile's experiment."""
+    from pipelines.schedule import _workspace_params
+
+    (tmp_path / "params.yaml").write_text("run:\n  profile: smoke\njoint:\n  common:\n    no_such_key: 1\n"
+                                          "registry:\n  alias: best\n")
+    params = _workspace_params(tmp_path, None)
+    assert (params.run.profile, params.registry.alias) == ("smoke", "best")
+    assert _workspace_params(tmp_path / "missing", None).run.profile == "default"

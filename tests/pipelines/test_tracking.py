@@ -144,3 +144,17 @@ def test_sequential_stage_processes_share_one_store(tmp_path, store, subprocess_
     runs = client.search_runs([experiment.experiment_id])
     assert sorted(r.info.run_name for r in runs) == ["distill", "train_dflash"]
     assert all(r.info.status == "FINISHED" and r.data.metrics["done"] == 1.0 for r in runs)
+
+
+def test_ui_links_open_each_experiment_on_its_runs_table(tmp_path, store):
+    """MLflow's UI lands on its GenAI overview unless the URL asks for the model-training view."""
+    from mlflow.tracking import MlflowClient
+
+    from pipelines.ui import links
+
+    params = make_params(tmp_path, "links")
+    with stage_run("distill", params, ["distill"]):
+        pass
+    experiment = MlflowClient(store).get_experiment_by_name("drelay-links")
+    assert f"http://127.0.0.1:5123/#/experiments/{experiment.experiment_id}?workflowType=machine_learning" in \
+        "\n".join(links(5123))

@@ -13,8 +13,8 @@ import pytest
 
 from tests.serving import cpu_stubs
 
-NO_SGLANG = ("sglang is not importable here: the serving tests run in .venv-sglang "
-             "(`make setup-sglang && make test-serving`)")
+NO_SGLANG = ("sglang is not importable here: they run in .venv-sglang, after this suite in `make test` "
+             "(alone: `make test-serving`)")
 
 
 # Without sglang (the main .venv never has it) the files that need it are not collected, and the run's

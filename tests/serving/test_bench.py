@@ -27,8 +27,8 @@ def test_server_command_per_configuration(tmp_path):
     assert none[-2:] == ["--attention-backend", "triton"] and none[none.index("--port") + 1] == "30001"
     relay = bench.server_command("py", "models/target", 30001, "drelay", tmp_path / "d", 8)
     i = relay.index("--speculative-algorithm")
-    assert relay[i:i + 6] == ["--speculative-algorithm", "DRELAY", "--speculative-draft-model-path", str(tmp_path / "d"),
-                              "--speculative-num-draft-tokens", "8"]
+    assert relay[i:i + 6] == ["--speculative-algorithm", "DRELAY", "--speculative-draft-model-path",
+                              str(tmp_path / "d"), "--speculative-num-draft-tokens", "8"]
     assert bench.server_command("py", "t", 1, "dflash", "d", 16)[i + 1] == "DFLASH"
     with pytest.raises(ValueError, match="dspark"):
         bench.server_command("py", "t", 1, "dspark", "d", 8)
@@ -94,6 +94,7 @@ def test_speedups_are_over_no_speculation_at_the_same_benchmark_and_concurrency(
 
 
 def test_report_of_a_skip_says_why_and_what_was_written():
-    report = bench.markdown({"skipped": "no CUDA", "reason": "torch sees no CUDA device", "prompt_files": {"gsm8k": 16}})
+    report = bench.markdown({"skipped": "no CUDA", "reason": "torch sees no CUDA device",
+                             "prompt_files": {"gsm8k": 16}})
     assert "Not measured: **no CUDA**. torch sees no CUDA device" in report and "gsm8k (16)" in report
     assert "tokens/s" not in report
