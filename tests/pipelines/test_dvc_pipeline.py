@@ -191,9 +191,9 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     # (tests/eval/test_run.py): re-running stages here would only repeat them at minutes' cost.
 
 
-def _trigger_retrain(env: dict, workdir: Path, tmp_path: Path) -> dict:
+def _trigger_retrain(env: dict, workdirs: list[Path], tmp_path: Path) -> list[dict]:
     """Serve the retrain deployment (`python -m pipelines.schedule`, what `make schedule` runs) and trigger one
-    run on `workdir` through Prefect; {"state", "logs"} of that run."""
+    run per workdir through Prefect, one after the other; each run's {"state", "logs"}."""
     from tests.pipelines.test_schedule import TRIGGER
 
     params = tmp_path / "schedule.yaml"
@@ -205,12 +205,12 @@ def _trigger_retrain(env: dict, workdir: Path, tmp_path: Path) -> dict:
                                   cwd=REPO_ROOT, env=served_env, stdout=out, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     try:
-        done = subprocess.run([sys.executable, "-c", TRIGGER.replace("timeout=120", "timeout=600"), str(workdir)],
-                              env=served_env, capture_output=True, text=True, timeout=900)
+        done = subprocess.run([sys.executable, "-c", TRIGGER.replace("timeout=120", "timeout=600"),
+                               *map(str, workdirs)], env=served_env, capture_output=True, text=True, timeout=900)
     finally:
         stop_group(server, first=signal.SIGINT)
     assert done.returncode == 0, done.stderr[-3000:] + log.read_text()[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])["runs"][0]
+    return json.loads(done.stdout.strip().splitlines()[-1])["runs"]
 
 
 def _retrain_summaries(uri: str) -> list[dict]:
@@ -239,23 +239,18 @@ def test_scheduled_retrain_gates_the_champion_and_a_failed_run_leaves_it(smoke_r
     versions = client.search_model_versions("name = 'drelay-smoke-drelay'")
     assert len(versions) == 1 and versions[0].tags["method"] == "drelay" and "T0.tau" in versions[0].tags
 
-    run = _trigger_retrain(env, repo, tmp_path)
-    assert run["state"] == "COMPLETED", run["logs"][-30:]
+    # the same reproduction with a bad params key: its pipeline fails before any stage finishes
+    broken = tmp_path / "broken"
+    shutil.copytree(repo, broken, symlinks=True)
+    _set_params(broken, {"joint.common.no_such_key": 1})
+    good, bad = _trigger_retrain(env, [repo, broken], tmp_path)
+    assert good["state"] == "COMPLETED", good["logs"][-30:]
+    assert bad["state"] == "FAILED" and any("no_such_key" in m for m in bad["logs"]), bad["logs"][-30:]
     champion = client.get_model_version_by_alias("drelay-smoke-drelay", "champion")
-    assert int(champion.version) == registered["drelay"]["version"] == 1
-    (summary,) = _retrain_summaries(uri)
-    assert summary["pipeline"] == "succeeded" and summary["gate"]["promoted"] and summary["status"] == "FINISHED"
-    assert "no champion yet" in summary["gate"]["reason"] and summary["tags"]["gate"] == "promoted"
-
-    params = (repo / "params.yaml").read_text()
-    try:
-        _set_params(repo, {"joint.common.no_such_key": 1})
-        run = _trigger_retrain(env, repo, tmp_path)
-    finally:
-        (repo / "params.yaml").write_text(params)
-    assert run["state"] == "FAILED"
-    assert int(client.get_model_version_by_alias("drelay-smoke-drelay", "champion").version) == 1
-    failed = _retrain_summaries(uri)[-1]
+    assert int(champion.version) == registered["drelay"]["version"] == 1  # promoted by the first, kept by the second
+    promoted, failed = _retrain_summaries(uri)
+    assert promoted["pipeline"] == "succeeded" and promoted["gate"]["promoted"] and promoted["status"] == "FINISHED"
+    assert "no champion yet" in promoted["gate"]["reason"] and promoted["tags"]["gate"] == "promoted"
     assert failed["pipeline"] == "failed" and failed["status"] == "FAILED" and failed["champion"] == 1
     assert "no_such_key" in failed["error"] and failed["tags"]["gate"] == "not run"
     assert len(client.search_model_versions("name = 'drelay-smoke-drelay'")) == 1

@@ -77,14 +77,41 @@ def test_tiny_drafter_in_sglang(sglang_runtime, tmp_path):
     check_against_ours(model, drafter, features.float(), atol=1e-5)
 
 
-@pytest.mark.skipif(not (SMOLLM2_DRAFTER / "model.safetensors").is_file() or not (SMOLLM2_TARGET / "config.json").is_file(),
-                    reason=f"no trained SmolLM2 drafter at {SMOLLM2_DRAFTER} (made by `make repro`)")
-def test_smollm2_drafter_in_sglang(sglang_runtime, tmp_path):
-    target = Target.load(SMOLLM2_TARGET, dtype="float32")  # read-only
-    drafter = BlockDrafter.load(SMOLLM2_DRAFTER, target)
-    out = export_for_sglang(SMOLLM2_DRAFTER, tmp_path / "out", SMOLLM2_TARGET)
+# SmolLM2-135M-Instruct's architecture (models/target/config.json after prepare_target), for a fresh clone
+# without the converted target: the export and SGLang's loading depend on the shapes, not on trained weights.
+SMOLLM2_CONFIG = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, rope_theta=100000.0, tie_word_embeddings=True, bos_token_id=1,
+                      eos_token_id=2, pad_token_id=2)
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    """(target dir, drafter dir, trained?): the default profile's trained drafter on the converted SmolLM2 when
+    `make repro` made them (else the cpu-small profile's); otherwise an untrained drafter of the default
+    profile's shape (1 layer, 3 context layers, block 8) on a randomly initialised SmolLM2-135M."""
+    if (SMOLLM2_DRAFTER / "model.safetensors").is_file() and (SMOLLM2_TARGET / "config.json").is_file():
+        return SMOLLM2_TARGET, SMOLLM2_DRAFTER, True
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("smollm2")
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(**SMOLLM2_CONFIG)).to(torch.bfloat16).save_pretrained(root / "target")
+    target = Target.load(root / "target", dtype="float32")
+    drafter = BlockDrafter.for_target(target, num_layers=1, num_context_layers=3, block_size=8)
+    torch.nn.init.normal_(drafter.context_norm.weight, 1.0, 0.2)  # not all-ones, so a swapped norm shows
+    drafter.save(root / "drafter")
+    return root / "target", root / "drafter", False
+
+
+def test_smollm2_drafter_in_sglang(sglang_runtime, smollm2, tmp_path):
+    target_dir, drafter_dir, trained = smollm2
+    target = Target.load(target_dir, dtype="float32")  # read-only
+    drafter = BlockDrafter.load(drafter_dir, target)
+    out = export_for_sglang(drafter_dir, tmp_path / "out", target_dir)
     model, draft_cfg = sglang_draft_model(out)
     assert draft_cfg.num_target_layers == 30 and draft_cfg.target_layer_ids == drafter.config.target_layer_ids
-    ids = torch.tensor([target.encode_chat("Name three rivers in Europe.")])
+    ids = torch.tensor([target.encode_chat("Name three rivers in Europe.")]) if trained else \
+        torch.randint(3, 49152, (1, 24), generator=torch.Generator().manual_seed(1))
     features = target.forward(ids).features[0].float()
     check_against_ours(model, drafter, features, atol=2e-4)
