@@ -317,14 +317,16 @@ def prefect_api() -> Iterator[str]:
         stop_process(server)
 
 
-def wait_for_health(api_url: str, timeout: float = 120.0, server: subprocess.Popen | None = None) -> None:
-    """Block until `<api_url>/health` answers 200 (a Prefect server), or raise TimeoutError;
-    RuntimeError at once if `server`, the process that should answer, exits first."""
+def wait_for_health(api_url: str, timeout: float = 120.0, server: subprocess.Popen | None = None, *,
+                    what: str = "the Prefect server", log: str = "PREFECT_HOME/stage-server.log",
+                    interval: float = 0.5) -> None:
+    """Block until `<api_url>/health` answers 200 (a Prefect server, or `what`), or raise TimeoutError;
+    RuntimeError at once if `server`, the process that should answer, exits first (`log`: where it wrote)."""
     deadline = time.monotonic() + timeout
     while True:
         if server is not None and server.poll() is not None:
-            raise RuntimeError(f"the Prefect server for {api_url} exited with code {server.returncode} "
-                               f"before answering (log: PREFECT_HOME/stage-server.log)")
+            raise RuntimeError(f"{what} for {api_url} exited with code {server.returncode} "
+                               f"before answering (log: {log})")
         try:
             with urllib.request.urlopen(f"{api_url.rstrip('/')}/health", timeout=5) as response:
                 if response.status == 200:
@@ -332,5 +334,5 @@ def wait_for_health(api_url: str, timeout: float = 120.0, server: subprocess.Pop
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass
         if time.monotonic() > deadline:
-            raise TimeoutError(f"no answer from {api_url}/health after {timeout:.0f} s")
-        time.sleep(0.5)
+            raise TimeoutError(f"no answer from {api_url}/health after {timeout:.0f} s (log: {log})")
+        time.sleep(interval)

@@ -12,7 +12,7 @@ TPOT, accept length and the speedup over no speculation per configuration, bench
     python -m pipelines.serve_bench [--params P] [--set serve.num_prompts=32]
 """
 
-from pipelines.common import configure_environment, stage_main, stop_process, write_metrics
+from pipelines.common import configure_environment, stage_main, stop_process, wait_for_health, write_metrics
 
 configure_environment()
 
@@ -20,9 +20,6 @@ import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
-import urllib.error  # noqa: E402
-import urllib.request  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from prefect import flow, get_run_logger  # noqa: E402
@@ -63,21 +60,13 @@ def write_prompt_files(params) -> dict[str, int]:
 
 
 def _wait_until_served(port: int, server: subprocess.Popen, timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if server.poll() is not None:
-            raise RuntimeError(f"the SGLang server exited with code {server.returncode} before serving "
-                               f"(log: {log}):\n{log.read_text()[-2000:]}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the SGLang server on port {port} did not answer /health within {timeout:.0f} s "
-                               f"(log: {log}; raise serve.startup_timeout_s)")
-        time.sleep(2)
+    try:
+        wait_for_health(f"http://127.0.0.1:{port}", timeout, server, what="the SGLang server", log=str(log),
+                        interval=2)
+    except RuntimeError as err:
+        raise RuntimeError(f"{err}:\n{log.read_text()[-2000:]}") from None
+    except TimeoutError as err:
+        raise TimeoutError(f"{err}; raise serve.startup_timeout_s if the model needs longer to load") from None
 
 
 def export_drafts(params, out: Path) -> dict[str, dict]:

@@ -194,21 +194,11 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
 def _trigger_retrain(env: dict, workdirs: list[Path], tmp_path: Path) -> list[dict]:
     """Serve the retrain deployment (`python -m pipelines.schedule`, what `make schedule` runs) and trigger one
     run per workdir through Prefect, one after the other; each run's {"state", "logs"}."""
-    from tests.pipelines.test_schedule import TRIGGER
+    from tests.pipelines.test_schedule import TRIGGER, serving_deployment
 
-    params = tmp_path / "schedule.yaml"
-    params.write_text('schedule:\n  cron: "0 3 * * 0"\n')
-    served_env = {**env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
-    log = tmp_path / "serve.log"
-    with open(log, "w") as out:
-        server = subprocess.Popen([sys.executable, "-m", "pipelines.schedule", "--params", str(params)],
-                                  cwd=REPO_ROOT, env=served_env, stdout=out, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    try:
+    with serving_deployment('schedule:\n  cron: "0 3 * * 0"\n', env, tmp_path) as (served_env, log):
         done = subprocess.run([sys.executable, "-c", TRIGGER.replace("timeout=120", "timeout=600"),
                                *map(str, workdirs)], env=served_env, capture_output=True, text=True, timeout=900)
-    finally:
-        stop_group(server, first=signal.SIGINT)
     assert done.returncode == 0, done.stderr[-3000:] + log.read_text()[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])["runs"]
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import signal
 import subprocess
@@ -55,14 +56,13 @@ print(json.dumps(result))
 """
 
 
-@pytest.fixture
-def served(tmp_path, prefect_server, subprocess_env):
-    """`python -m pipelines.schedule` (what `make schedule` runs) serving the deployment."""
-    params = tmp_path / "params.yaml"
-    params.write_text('schedule:\n  cron: "0 3 * * 0"\n  timezone: Europe/Paris\n')
-    env = {**subprocess_env, "PREFECT_API_URL": prefect_server,
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}",  # the runs' summaries
-           "PREFECT_RUNNER_POLL_FREQUENCY": "1"}  # pick triggered runs up within a second
+@contextlib.contextmanager
+def serving_deployment(schedule_yaml: str, env: dict, tmp_path: Path):
+    """`python -m pipelines.schedule` (what `make schedule` runs) serving the deployment, with a schedule section
+    `schedule_yaml`; yields (its environment, its log). Stopped with Ctrl-C, as a user stops `make schedule`."""
+    params = tmp_path / "schedule-params.yaml"
+    params.write_text(schedule_yaml)
+    env = {**env, "PREFECT_RUNNER_POLL_FREQUENCY": "1"}  # pick triggered runs up within a second
     log = tmp_path / "serve.log"
     with open(log, "w") as out:
         proc = subprocess.Popen([sys.executable, "-m", "pipelines.schedule", "--params", str(params)],
@@ -71,7 +71,15 @@ def served(tmp_path, prefect_server, subprocess_env):
     try:
         yield env, log
     finally:
-        stop_group(proc, first=signal.SIGINT)  # Ctrl-C, as a user stops `make schedule`
+        stop_group(proc, first=signal.SIGINT)
+
+
+@pytest.fixture
+def served(tmp_path, prefect_server, subprocess_env):
+    env = {**subprocess_env, "PREFECT_API_URL": prefect_server,
+           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # the runs' summaries
+    with serving_deployment('schedule:\n  cron: "0 3 * * 0"\n  timezone: Europe/Paris\n', env, tmp_path) as served:
+        yield served
 
 
 def dvc_project(path: Path, env: dict) -> Path:

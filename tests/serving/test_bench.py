@@ -98,3 +98,4 @@ def test_report_of_a_skip_says_why_and_what_was_written():
                              "prompt_files": {"gsm8k": 16}})
     assert "Not measured: **no CUDA**. torch sees no CUDA device" in report and "gsm8k (16)" in report
     assert "tokens/s" not in report
+
