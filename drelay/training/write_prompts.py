@@ -14,6 +14,7 @@ import random
 import time
 
 import torch
+from tqdm import tqdm
 
 from drelay.config import DOMAINS, WRITTEN_SOURCE
 from drelay.data.prompts import Prompt, WrittenPrompts
@@ -92,6 +93,7 @@ def write_prompts(target: Target, counts: dict[str, int], *, temperature: float,
     out = WrittenPrompts(requested={d: counts.get(d, 0) for d in DOMAINS})
     numbers = {d: 0 for d in DOMAINS}
     t0 = time.perf_counter()
+    bar = tqdm(total=len(jobs), desc="writing prompts", unit="prompt", dynamic_ncols=True, disable=not jobs)
     try:
         for start in range(0, len(jobs), batch_size):
             batch = jobs[start: start + batch_size]
@@ -106,7 +108,10 @@ def write_prompts(target: Target, counts: dict[str, int], *, temperature: float,
                 prompt = Prompt.user(f"{WRITTEN_SOURCE}/{domain}/{numbers[domain]}", WRITTEN_SOURCE, text, domain)
                 numbers[domain] += 1
                 (out.prompts if finished else out.unfinished).append(prompt)
+            bar.update(len(batch))
+            bar.set_postfix(tokens_per_s=f"{out.tokens / (time.perf_counter() - t0):.0f}")
     finally:
+        bar.close()
         if not layer_ids:
             target.set_layer_ids([])
     out.seconds = time.perf_counter() - t0
