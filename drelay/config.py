@@ -464,6 +464,11 @@ class JointConfig:
 EVAL_METHODS = ("ar", *JOINT_METHODS, "oracle")  # ar: the target alone; oracle: the true token when in the pool
 
 
+def temperature_key(t: float) -> str:
+    """0.0 -> "T0", 1.0 -> "T1", 0.7 -> "T0_7" (no dots: DVC and MLflow split names there)."""
+    return "T" + f"{t:g}".replace(".", "_")
+
+
 @dataclass(frozen=True)
 class EvalConfig:
     """The evaluate stage (DESIGN §1.8, §3): benchmarks x methods x temperatures. τ and the repair
@@ -504,6 +509,11 @@ class EvalConfig:
                  self.oracle_drafter)
         _require(self.batch_size >= 1, "batch_size", ">= 1", self.batch_size)
         _require(bool(self.out_dir), "out_dir", "a non-empty string", self.out_dir)
+
+    @property
+    def sample_taus_path(self) -> Path:
+        """Every method's per-sample replay τ and the evaluation's stamps (evaluate writes it, register reads it)."""
+        return Path(self.out_dir) / "sample_taus.json"
 
     def per_benchmark(self, key: str, benchmark: str) -> int:
         """samples / max_new_tokens / live_samples for one benchmark (its entry, else `default`)."""

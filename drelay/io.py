@@ -117,6 +117,11 @@ def load_rows(path: Path, hub: HubSource | None) -> list[dict]:
         raise DataNotFoundError(f"{missing}, and loading {hub.id} from the hub failed ({e}). {MIRROR_FIX}") from e
 
 
+def json_digest(value: Any, length: int = 16) -> str:
+    """sha256 of `value` as sorted-key JSON, its first `length` hex digits."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:length]
+
+
 def folder_fingerprint(path: str | Path) -> str:
     """sha256 over every file under `path` (relative names and contents)."""
     digest = hashlib.sha256()

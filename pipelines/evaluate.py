@@ -29,7 +29,6 @@ from drelay.models.target import Target  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
 
 REPORT = Path("reports/eval.md")
-SAMPLE_TAUS = "sample_taus.json"  # under eval.out_dir
 PLOTS = {"tau": Path("reports/eval_tau.png"), "acceptance": Path("reports/eval_acceptance.png"),
          "repair": Path("reports/eval_repair.png")}
 
@@ -70,7 +69,7 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
             raise RuntimeError(f"non-finite evaluation numbers: {', '.join(bad[:10])}")
         # per-sample τ and the evaluation's stamps: what the register stage gives each model version, so the
         # promotion gate can compare two versions sample by sample (pipelines/registry.py)
-        write_json_atomic(Path(cfg.out_dir) / SAMPLE_TAUS, {"taus": result.sample_taus, "stamps": result.stamps})
+        write_json_atomic(cfg.sample_taus_path, {"taus": result.sample_taus, "stamps": result.stamps})
         any_method = next(iter(methods.values()), None)
         info = {"target": params.target.path, "dtype": params.target.dtype, "device": str(target.device),
                 "pool_size": params.decode.pool_size, "sampling_rule": params.decode.sampling_rule,

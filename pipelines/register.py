@@ -22,7 +22,6 @@ from pipelines.tracking import git_commit, pipeline_run_tag, stage_run  # noqa: 
 
 STAGE = "register"
 EVAL_METRICS = Path("metrics/eval.json")
-SAMPLE_TAUS = "sample_taus.json"  # evaluate's, under eval.out_dir
 
 
 @flow(name=STAGE)
@@ -35,7 +34,7 @@ def register_flow(params_path: str = "params.yaml", overrides: list[str] | None 
         commit = git_commit()
         registered = register_methods(
             tracker.client, tracker.run_id, params, joint, json.loads(EVAL_METRICS.read_text()),
-            json.loads((Path(params.eval.out_dir) / SAMPLE_TAUS).read_text()), commit=commit,
+            json.loads(params.eval.sample_taus_path.read_text()), commit=commit,
             pipeline_run=pipeline_run_tag(params, commit),
             fingerprints={m: folder_fingerprint(joint / m) for m in params.joint.methods})
         for method, info in registered.items():
@@ -46,7 +45,7 @@ def register_flow(params_path: str = "params.yaml", overrides: list[str] | None 
 
 
 def require_inputs(params) -> None:
-    for path in (EVAL_METRICS, Path(params.eval.out_dir) / SAMPLE_TAUS):
+    for path in (EVAL_METRICS, params.eval.sample_taus_path):
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing (the evaluate stage writes it): needed by register")
     for method in params.joint.methods:

@@ -31,7 +31,9 @@ configure_environment()
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+from drelay.config import temperature_key  # noqa: E402
 from drelay.eval.paired import MEAN, paired_bootstrap  # noqa: E402
+from drelay.io import json_digest  # noqa: E402
 
 BUNDLE_PATH = "model"  # the version's artifacts: <run>/model/<method>/ (drafter/ + relay/ or head/)
 SAMPLES_FILE = "eval_samples.json"  # {T: {"taus": {bench: [τ]}, "stamps": {bench: digest}}}
@@ -44,10 +46,6 @@ class RegistryError(RuntimeError):
 
 def model_name(params: Any, method: str) -> str:
     return f"{params.registry.model_prefix}-{params.run.profile}-{method}"
-
-
-def temperature_key(t: float) -> str:
-    return "T" + f"{t:g}".replace(".", "_")  # as drelay.eval.run.temperature_key (eval.json's keys)
 
 
 # ---- registration --------------------------------------------------------------------------------
@@ -98,7 +96,7 @@ def register_methods(client: MlflowClient, run_id: str, params: Any, joint_dir: 
                  for t in temperatures}
         if not any(v["taus"] for v in per_t.values()):
             raise RegistryError(f"the evaluation has no per-sample τ for {method}: is it in eval.methods?")
-        eval_digest = _digest(per_t)
+        eval_digest = json_digest(per_t)
         _ensure_model(client, name, method, params.run.profile)
         existing = _same_version(client, name, fingerprints[method], eval_digest)
         if existing is not None:
@@ -120,12 +118,6 @@ def register_methods(client: MlflowClient, run_id: str, params: Any, joint_dir: 
                                               description=f"pipeline_run {pipeline_run}")
         out[method] = {"name": name, "version": int(version.version), "new": True}
     return out
-
-
-def _digest(value: Any) -> str:
-    import hashlib
-
-    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()[:16]
 
 
 # ---- the gate ------------------------------------------------------------------------------------

@@ -121,12 +121,11 @@ def log_summary(params, summary: dict) -> str:
 
     from mlflow.tracking import MlflowClient
 
-    from pipelines.tracking import _experiment_id, artifact_location, experiment_name, tracking_uri
+    from pipelines.tracking import profile_experiment, tracking_uri
 
     uri = tracking_uri()
     client = MlflowClient(uri)
-    name = experiment_name(params.run.profile)
-    run = client.create_run(_experiment_id(client, name, artifact_location(uri, name)), run_name="retrain",
+    run = client.create_run(profile_experiment(client, uri, params.run.profile), run_name="retrain",
                             tags={"stage": "retrain", "profile": params.run.profile, "pipeline": summary["pipeline"],
                                   "gate": (("promoted" if summary["gate"]["promoted"] else "kept")
                                            if summary.get("gate") else "not run")})

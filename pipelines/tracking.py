@@ -7,7 +7,6 @@ experiment `drelay-<run.profile>`, under the same metric names, so runs compare 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import subprocess
@@ -26,6 +25,7 @@ from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.tracking import MlflowClient  # noqa: E402
 
 from drelay.config import SECTIONS, flatten, to_dict  # noqa: E402
+from drelay.io import json_digest  # noqa: E402
 
 
 def tracking_uri() -> str:
@@ -62,11 +62,16 @@ def _experiment_id(client: MlflowClient, name: str, location: str | None) -> str
     return experiment.experiment_id
 
 
+def profile_experiment(client: MlflowClient, uri: str, profile: str) -> str:
+    """The id of experiment `drelay-<profile>` in the store at `uri`, made (tagged, with its artifact place) if new."""
+    name = experiment_name(profile)
+    return _experiment_id(client, name, artifact_location(uri, name))
+
+
 def pipeline_run_tag(params: Any, commit: str) -> str:
     """One reproduction's mark, the same on each of its stage runs: the commit and a digest of the whole
     params (not only the stage's sections), so `tags.pipeline_run = '...'` filters one reproduction."""
-    digest = hashlib.sha256(json.dumps(to_dict(params), sort_keys=True, default=str).encode()).hexdigest()
-    return f"{commit[:12]}-{digest[:12]}"
+    return f"{commit[:12]}-{json_digest(to_dict(params), 12)}"
 
 
 def git_commit() -> str:
@@ -136,8 +141,7 @@ def _mlflow_run(stage: str, params: Any, sections: list[str]) -> Iterator[Tracke
     uri = tracking_uri()
     mlflow.set_tracking_uri(uri)  # also for any fluent mlflow call a stage makes
     client = MlflowClient(tracking_uri=uri)
-    name = experiment_name(params.run.profile)
-    experiment_id = _experiment_id(client, name, artifact_location(uri, name))
+    experiment_id = profile_experiment(client, uri, params.run.profile)
     commit = git_commit()
     tags = {"stage": stage, "profile": params.run.profile, "git_commit": commit,
             "pipeline_run": pipeline_run_tag(params, commit), "workspace": os.getcwd()}

@@ -31,13 +31,14 @@ from typing import Callable
 
 import torch
 
-from drelay.config import EvalConfig
+from drelay.config import EvalConfig, temperature_key
 from drelay.data.benchmarks import load_prepared_benchmark
 from drelay.data.records import Sequence
 from drelay.decoding.replay import ReplayStats
 from drelay.eval.live import live_prompt, predicted_speedup, summarize_live
 from drelay.eval.paired import Paired, paired_bootstrap
 from drelay.eval.replay_eval import continuations, replay_methods
+from drelay.io import json_digest
 from drelay.models.methods import Speculator, load_speculator
 from drelay.models.target import Target
 
@@ -62,11 +63,6 @@ def reference_methods(methods: dict[str, Speculator]) -> tuple[str | None, str |
     native = next((n for n, sp in methods.items() if not sp.method.repairs), None)
     oracle = next((n for n, sp in methods.items() if sp.method.needs_truth), None)
     return native, oracle
-
-
-def temperature_key(t: float) -> str:
-    """0.0 -> "T0", 1.0 -> "T1", 0.7 -> "T0_7" (no dots: DVC and MLflow split names there)."""
-    return "T" + f"{t:g}".replace(".", "_")
 
 
 # ---- cells ------------------------------------------------------------------------------------
@@ -217,7 +213,7 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
                                              pool_size=pool_size, max_prompt_tokens=max_prompt_tokens, seed=seed,
                                              precision=precision, target_fp=target_fp)
             result.sequences[tkey][bench] = len(seqs)
-            result.stamps.setdefault(tkey, {})[bench] = stamp_digest(base)
+            result.stamps.setdefault(tkey, {})[bench] = json_digest(base)
             stats: dict[str, ReplayStats] = {}
             for name in trained:
                 stamp = {**base, "method": name, "model": methods[name].fingerprint}
@@ -274,10 +270,6 @@ def benchmark_sequences(target: Target, cfg: EvalConfig, bench: str, temperature
     return seqs, base
 
 
-def stamp_digest(stamp: dict) -> str:
-    return hashlib.sha256(json.dumps(stamp, sort_keys=True).encode()).hexdigest()[:16]
-
-
 def replay_sample_taus(target: Target, speculator: Speculator, cfg: EvalConfig, temperature: float, *,
                        benchmarks_dir: str | Path, pool_size: int, max_prompt_tokens: int, seed: int,
                        precision: str) -> tuple[dict[str, list[float]], dict[str, str]]:
@@ -289,7 +281,7 @@ def replay_sample_taus(target: Target, speculator: Speculator, cfg: EvalConfig, 
                                          pool_size=pool_size, max_prompt_tokens=max_prompt_tokens, seed=seed,
                                          precision=precision)
         stats = replay_methods({"m": speculator}, seqs, pool_size, autocast=precision == "bfloat16")["m"]
-        taus[bench], stamps[bench] = list(stats.taus), stamp_digest(base)
+        taus[bench], stamps[bench] = list(stats.taus), json_digest(base)
     return taus, stamps
 
 
@@ -313,7 +305,7 @@ def _live_cells(target: Target, methods: dict[str, Speculator], trained: list[st
     n_live = cfg.per_benchmark("live_samples", bench)
     for i, seq in enumerate(seqs[:n_live]):
         ids = seq.tokens[: seq.prompt_len].tolist()
-        stamp = {**base, "prompt": hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16],
+        stamp = {**base, "prompt": json_digest(ids),
                  "live_max_new_tokens": cfg.live_max_new_tokens, "sampling_rule": sampling_rule,
                  "methods": {m: methods[m].fingerprint for m in live_names}}
         key = f"{tkey}/{bench}/live_{i:03d}"
