@@ -66,9 +66,14 @@ class DrafterConfig:
     num_heads: int | None = None  # attention heads; None: the target's
     num_kv_heads: int | None = None  # key/value heads (GQA); None: the target's
     intermediate_size: int | None = None  # MLP width; None: the target's
+    # N > 0: the drafter scores only N token ids (a draft vocabulary, EAGLE-3 style): those most frequent
+    # in the distilled training responses, then by id; the LM head, most of its cost on CPU, shrinks V/N x.
+    # 0: the target's whole vocabulary
+    draft_vocab: int = 0
 
     def __post_init__(self) -> None:
         _require(self.num_layers >= 1, "num_layers", ">= 1", self.num_layers)
+        _require(self.draft_vocab >= 0, "draft_vocab", ">= 0 (0: the whole vocabulary)", self.draft_vocab)
         m = self.num_context_layers
         _require(m >= 1, "num_context_layers", ">= 1", m)
         _require(self.block_size >= 2, "block_size", ">= 2", self.block_size)

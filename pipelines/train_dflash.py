@@ -17,10 +17,10 @@ from prefect import flow, task  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from drelay.config import load_params  # noqa: E402
-from drelay.data.records import load_distilled, split_sequences  # noqa: E402
+from drelay.data.records import load_distilled, response_token_counts, split_sequences  # noqa: E402
 from drelay.eval.live import live_compare  # noqa: E402
 from drelay.io import read_jsonl  # noqa: E402
-from drelay.models.drafter import BlockDrafter  # noqa: E402
+from drelay.models.drafter import BlockDrafter, draft_vocabulary  # noqa: E402
 from drelay.models.methods import Speculator  # noqa: E402
 from drelay.models.repair import Native  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
@@ -64,10 +64,15 @@ def load_inputs(params) -> tuple[Target, BlockDrafter, list, list]:
     distilled train / held-out split."""
     target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)
     d = params.drafter
-    drafter = BlockDrafter.for_target(target, num_layers=d.num_layers, block_size=d.block_size,
-                                      num_context_layers=d.num_context_layers, num_heads=d.num_heads,
-                                      num_kv_heads=d.num_kv_heads, intermediate_size=d.intermediate_size)
     train, val = split_sequences(load_distilled(params.distill.out_dir), params.train.val_fraction, params.run.seed)
+    vocab_ids = None
+    if d.draft_vocab:  # the training responses' most frequent ids (the stop tokens always), then by id
+        vocab_ids = draft_vocabulary(response_token_counts(train, target.vocab_size),
+                                     min(d.draft_vocab, target.vocab_size), target.stop_token_ids())
+    drafter = BlockDrafter.for_target(target, vocab_ids=vocab_ids, num_layers=d.num_layers,
+                                      block_size=d.block_size, num_context_layers=d.num_context_layers,
+                                      num_heads=d.num_heads, num_kv_heads=d.num_kv_heads,
+                                      intermediate_size=d.intermediate_size)
     return target, drafter.float(), train, val
 
 

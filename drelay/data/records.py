@@ -85,6 +85,14 @@ def summarize(out_dir: Path, shards: list[str]) -> dict:
             "mean_response_tokens": n_resp / n_seq if n_seq else 0.0}
 
 
+def response_token_counts(sequences: list[Sequence], vocab_size: int) -> torch.Tensor:
+    """(V,) how often each token id occurs in the sequences' responses."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in sequences:
+        counts += torch.bincount(s.tokens[s.prompt_len:].long(), minlength=vocab_size)[:vocab_size]
+    return counts
+
+
 IGNORE = -100
 
 

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from drelay.data.records import IGNORE
 from drelay.kernels.ops import Ops, REFERENCE, kernel_ops
 from drelay.kernels.reference import (SelectorWeights, candidate_pool, dflash_ce, keep_or_replace, lattice_messages,
                                       support_hinge)
@@ -415,12 +416,15 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
             raise RelayError("this relay has no training settings: make it with DRelay.create(drafter, settings, ...)")
         k = self.config.pool_size
         hinge_gamma = gamma if cfg.hinge_position_weighted else None
-        weight = drafter.shared.lm_head.weight
+        weight = drafter.head_weight()
         logits = None
-        if self.ops.fused:
+        if self.ops.fused:  # over the draft vocabulary's rows when the drafter has one (labels outside: IGNORE)
             normed = drafter.norm(hidden).to(weight.dtype)
-            ce, hinge, pool_ids, pool_logprobs = self.ops.support_loss(normed, weight, labels, k, gamma,
+            draft_labels = drafter.draft_positions(labels, IGNORE)
+            ce, hinge, pool_ids, pool_logprobs = self.ops.support_loss(normed, weight, draft_labels, k, gamma,
                                                                        cfg.hinge_margin, hinge_gamma)
+            if drafter.vocab_ids is not None:
+                pool_ids = drafter.vocab_ids[pool_ids]
         else:
             logits = drafter.logits(hidden)  # (..., n, V)
             ce, _ = dflash_ce(logits, labels, gamma)
@@ -429,6 +433,8 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         if logits is None and (self.config.lattice_pool or (cfg.lattice_ce and self.lattice is not None)):
             with torch.set_grad_enabled(cfg.lattice_coadapt and torch.is_grad_enabled()):  # the fused op never
                 logits = F.linear(normed, weight)  # made the logits: the lattice's terms need them
+                if drafter.vocab_ids is not None:
+                    logits = drafter.widen(logits)
         if self.config.lattice_pool:  # teacher-forced: the pool after the true predecessor
             n, lead = labels.shape[-1], labels.shape[:-1]
             with torch.no_grad():
@@ -438,7 +444,8 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
             pool_ids, pool_logprobs = pool_ids.view(*lead, n, k), pool_logprobs.view(*lead, n, k)
         z_pool = None
         if cfg.coadapt:
-            z_pool = (normed[..., None, :] * weight[pool_ids]).sum(-1) if self.ops.fused else logits.gather(-1, pool_ids)
+            z_pool = ((normed[..., None, :] * drafter.shared.lm_head.weight[pool_ids]).sum(-1) if self.ops.fused
+                      else logits.gather(-1, pool_ids))
         scores = pool_logprobs if z_pool is None else pool_logprobs + wide(z_pool - z_pool.detach())
         sigma, support = self.score(hidden, pool_ids, pool_logprobs, anchor_ids, labels, scores=scores)
         loss, terms = drelay_loss_from_terms(ce, hinge, labels, sigma, support, pool_ids,

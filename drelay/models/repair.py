@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Callable, ClassVar
 import torch
 from torch import nn
 
+from drelay.data.records import IGNORE
 from drelay.kernels.reference import dflash_ce
 
 if TYPE_CHECKING:
@@ -85,7 +86,7 @@ class RepairMethod(nn.Module):
         labels (..., n) the true tokens (IGNORE padding); anchor_ids (...); progress in [0, 1]: the
         share of training done (schedules). It runs under the caller's mixed precision (the trainer's
         `mixed_precision`). The base: the backbone's DFlash CE alone."""
-        ce, _ = dflash_ce(drafter.logits(hidden), labels, gamma)
+        ce, _ = dflash_ce(*drafter.scored_logits(hidden, labels, IGNORE), gamma)
         return ce, {"loss": ce.detach(), "ce": ce.detach()}
 
     @torch.no_grad()

@@ -66,7 +66,9 @@ _LAYER_NAMES = {
     "down_proj.weight": "mlp.down_proj.weight",
 }
 _TOP_NAMES = {"fc.weight": "fc.weight", "context_norm.weight": "hidden_norm.weight", "norm.weight": "norm.weight"}
-_SIDE_NAMES = {"mask_embedding": MASK_KEY}  # exported, but not into model.safetensors
+# exported, but not into model.safetensors: the MASK vector, and a draft vocabulary's ids (SGLang's DFlash
+# scores the whole vocabulary; the ids are kept for the record, see drelay_serving.json's draft_vocab)
+_SIDE_NAMES = {"mask_embedding": MASK_KEY, "vocab_ids": "draft_vocab_ids"}
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
 
@@ -208,7 +210,8 @@ def export_for_sglang(drafter_dir: str | Path, out_dir: str | Path, target_dir: 
         save_file(side, tmp / MASK_FILE, metadata={"format": "pt"})
         serving = {"format": FORMAT_VERSION, "mask_file": MASK_FILE, "mask_token_id": mask_token_id,
                    "relay": None, "repair_margin": None, "pool_size": None,
-                   "drafter": str(drafter_dir), "target_fingerprint": cfg.target_fingerprint}
+                   "drafter": str(drafter_dir), "target_fingerprint": cfg.target_fingerprint,
+                   "draft_vocab": cfg.draft_vocab_size}  # > 0: trained on a draft vocabulary; served over all ids
         if relay_dir is not None:
             serving.update(export_relay(Path(relay_dir), cfg, tmp))
         (tmp / SERVING_FILE).write_text(json.dumps(serving, indent=2))

@@ -171,6 +171,14 @@ def sample_batch(train: list[Sequence], s: LoopSettings, block_size: int, rng: r
     return make_batch(seqs, s.anchors_per_sequence, block_size, rng)
 
 
+def scorable(batch: BlockBatch, drafter: BlockDrafter) -> BlockBatch:
+    """The batch with the labels a drafter with a draft vocabulary cannot score set to IGNORE (the losses
+    and hit rates then count only positions it can draft; replay τ still counts every position)."""
+    if drafter.vocab_ids is None:
+        return batch
+    return dataclasses.replace(batch, labels=drafter.drafts_only_vocab(batch.labels, IGNORE))
+
+
 @torch.no_grad()
 def hit_rates(logits: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Per-position top-1 accuracy and top-k hit rate (the label inside the pool): (B-1,) each."""
@@ -221,7 +229,8 @@ def evaluate(drafter: BlockDrafter, method: RepairMethod, val: list[Sequence], s
     B, device = drafter.config.block_size, drafter.fc.weight.device
     with eval_mode(drafter, method):
         for start in range(0, len(val), VAL_BATCH):
-            batch = make_batch(val[start: start + VAL_BATCH], s.anchors_per_sequence, B, rng).to(device)
+            batch = scorable(make_batch(val[start: start + VAL_BATCH], s.anchors_per_sequence, B, rng).to(device),
+                             drafter)
             with mixed_precision(device, s.precision):
                 hidden = block_hidden(drafter, batch)
                 _, terms = method.joint_loss(drafter, hidden, batch.labels, batch.anchor_ids, gamma=s.gamma,
@@ -357,7 +366,7 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
         n_blocks = batch.anchors.numel()  # the global batch's, on every rank
         if world > 1:
             batch = shard_batch(batch, rank, world)
-        batch = batch.to(device)
+        batch = scorable(batch.to(device), drafter)
         with mixed_precision(device, s.precision), global_means():
             loss, terms = joint_step(batch, s.gamma, step / s.steps)
         grad_norm = optimizer_step(optimizer, params, loss, lr_at(step, s), s.grad_clip)

@@ -57,6 +57,20 @@ def test_config_carries_the_draft_settings(saved):
     assert DRelay.load(out / "relay").config == DRelay.load(tmp / "relay").config
 
 
+def test_a_draft_vocabulary_stays_out_of_the_sglang_weights_and_is_recorded(saved):
+    tmp, target, drafter = saved
+    narrow = BlockDrafter.for_target(target, vocab_ids=torch.arange(0, 96, 2), num_layers=NUM_LAYERS,
+                                     num_context_layers=3, block_size=8, num_heads=4, num_kv_heads=2,
+                                     intermediate_size=96)
+    narrow.save(tmp / "narrow")
+    out = export_for_sglang(tmp / "narrow", tmp / "out", tmp / "target")
+    weights = load_file(out / "model.safetensors")
+    assert len(weights) == 3 + 11 * NUM_LAYERS and not any("vocab" in name for name in weights)
+    assert load_file(out / MASK_FILE)["draft_vocab_ids"].tolist() == list(range(0, 96, 2))
+    assert read_serving(out)["draft_vocab"] == 48
+    assert read_serving(export_for_sglang(tmp / "drafter", tmp / "full", tmp / "target"))["draft_vocab"] == 0
+
+
 def test_drafter_missing_a_tensor_is_refused(saved):
     tmp, *_ = saved
     weights = load_file(tmp / "drafter" / "model.safetensors")

@@ -1,0 +1,145 @@
+"""The drafter's draft vocabulary (drafter.draft_vocab): only N token ids scored, outputs unchanged."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from drelay.config import DrafterConfig, JointConfig, TrainConfig
+from drelay.data.records import IGNORE, make_batch, response_token_counts, split_sequences
+from drelay.decoding.generate import ar_generate, speculative_generate
+from drelay.decoding.replay import replay
+from drelay.kernels.reference import dflash_ce
+from drelay.models.drafter import OUT_OF_VOCAB, BlockDrafter, DrafterError, draft_vocabulary
+from drelay.models.methods import TRAINABLE, create_method
+from drelay.training.distill import generate_batch
+from drelay.training.trainer import block_hidden, scorable, train_dflash
+from tests.conftest import make_tiny_target
+
+VOCAB = 48
+KEEP = [0, 2, 3, 5, 8, 13, 21, 30, 34, 40, 44, 47]  # 12 of 48 ids, the stop token (2) among them
+
+
+def _pair(block_size=4):
+    """A full-vocabulary drafter and one with the draft vocabulary KEEP, same weights."""
+    target = make_tiny_target(vocab_size=VOCAB, dtype=torch.float32, init=0.3, seed=3)
+    torch.manual_seed(0)
+    full = BlockDrafter.for_target(target, block_size=block_size)
+    narrow = BlockDrafter.for_target(target, vocab_ids=torch.tensor(KEEP[::-1]), block_size=block_size)
+    narrow.load_state_dict({**full.state_dict(), "vocab_ids": narrow.vocab_ids})
+    return target, full, narrow
+
+
+def test_draft_vocabulary_keeps_the_always_ids_then_the_most_frequent_then_the_lowest_ids():
+    counts = torch.zeros(10, dtype=torch.long)
+    counts[7], counts[4], counts[9] = 5, 5, 2
+    assert draft_vocabulary(counts, 3, always=[8]).tolist() == [4, 7, 8]  # 8 always; 4 and 7 tie: both in
+    assert draft_vocabulary(counts, 4).tolist() == [0, 4, 7, 9]  # then the unseen ids by id: 0
+    assert draft_vocabulary(counts, 10).tolist() == list(range(10))
+    with pytest.raises(ValueError, match="draft vocabulary size 11"):
+        draft_vocabulary(counts, 11)
+    with pytest.raises(ValueError, match="draft_vocab"):
+        DrafterConfig(draft_vocab=-1)
+
+
+def test_logits_equal_the_full_heads_on_the_kept_ids_and_nothing_else_is_ever_drafted():
+    target, full, narrow = _pair()
+    assert narrow.vocab_ids.tolist() == KEEP and narrow.head_weight().shape == (len(KEEP), target.hidden_size)
+    hidden = torch.randn(3, 5, target.hidden_size)
+    z_full, z = full.logits(hidden), narrow.logits(hidden)
+    torch.testing.assert_close(z[..., KEEP], z_full[..., KEEP])
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[KEEP] = False
+    assert (z[..., outside] == OUT_OF_VOCAB).all()
+    _, pool_ids, pool_logprobs = narrow.pool(hidden, 4)
+    assert torch.isin(pool_ids, torch.tensor(KEEP)).all()
+    # the pool's log-probabilities: a softmax over the kept ids alone
+    expected = torch.log_softmax(z_full[..., KEEP], -1).topk(4, dim=-1).values
+    torch.testing.assert_close(pool_logprobs, expected)
+
+
+def test_the_narrow_cross_entropy_equals_the_wide_one_and_ignores_ids_it_cannot_draft():
+    target, _, narrow = _pair()
+    hidden = torch.randn(2, 2, 3, target.hidden_size, requires_grad=True)
+    labels = torch.tensor([[[5, 6, IGNORE], [47, 1, 2]], [[13, 21, 30], [9, 9, 9]]])
+    kept = narrow.drafts_only_vocab(labels, IGNORE)
+    assert kept.tolist() == [[[5, IGNORE, IGNORE], [47, IGNORE, 2]], [[13, 21, 30], [IGNORE] * 3]]
+    wide, _ = dflash_ce(narrow.logits(hidden), kept, gamma=4.0)
+    logits, rows = narrow.scored_logits(hidden, kept, IGNORE)
+    assert logits.shape[-1] == len(KEEP) and rows[0, 0, 0] == KEEP.index(5)
+    narrow_ce, _ = dflash_ce(logits, rows, gamma=4.0)
+    torch.testing.assert_close(narrow_ce, wide)
+    assert torch.isfinite(wide)
+    (grad_wide,) = torch.autograd.grad(wide, hidden)
+    (grad_narrow,) = torch.autograd.grad(narrow_ce, hidden)
+    torch.testing.assert_close(grad_narrow, grad_wide)
+
+
+def test_the_draft_vocabulary_is_saved_and_loaded_with_the_drafter(tmp_path):
+    target, _, narrow = _pair()
+    narrow.save(tmp_path / "d")
+    loaded = BlockDrafter.load(tmp_path / "d", target)
+    assert loaded.config.draft_vocab_size == len(KEEP) and loaded.vocab_ids.tolist() == KEEP
+    hidden = torch.randn(2, 3, target.hidden_size)
+    torch.testing.assert_close(loaded.logits(hidden), narrow.logits(hidden))
+    with pytest.raises(DrafterError, match="distinct ids"):
+        BlockDrafter.for_target(target, vocab_ids=torch.tensor([1, 1, 2]))
+
+
+def test_decoding_with_a_draft_vocabulary_stays_lossless_and_replay_matches_live():
+    target, _, narrow = _pair()
+    prompts = [[1, 5, 7, 9, 3], [1, 20, 21], [1, 17, 18, 19, 20]]
+    for prompt in prompts:
+        ar = ar_generate(target, prompt, 24)
+        spec = speculative_generate(target, narrow, prompt, 24)
+        assert spec.tokens == ar.tokens
+    seqs = generate_batch(target, prompts, 24, set())
+    stats = replay(narrow, seqs, pool_size=4)
+    for prompt, lengths in zip(prompts, stats.accept_lengths):
+        live = speculative_generate(target, narrow, prompt, 24).stats.accept_lengths
+        assert lengths[:-1] == live[: len(lengths) - 1]
+
+
+def test_training_with_a_draft_vocabulary_counts_only_what_it_can_draft(tmp_path):
+    target = make_tiny_target(vocab_size=24, dtype=torch.float32, seed=2, init=0.12)
+    target.set_layer_ids([1, 2, 3])
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[1] + torch.randint(3, 24, (4,), generator=gen).tolist() for _ in range(48)]
+    train, val = split_sequences(generate_batch(target, prompts, 24, set()), 0.25, seed=0)
+    counts = response_token_counts(train, target.vocab_size)
+    assert int(counts.sum()) == sum(s.response_len for s in train)
+    seen = int((counts > 0).sum())
+    vocab_ids = draft_vocabulary(counts, seen - 2)  # two seen ids left out: labels the drafter cannot score
+    torch.manual_seed(0)
+    drafter = BlockDrafter.for_target(target, vocab_ids=vocab_ids, block_size=4).float()
+    batch = scorable(make_batch(train[:4], 4, 4, random.Random(0)), drafter)
+    assert not torch.isin(batch.labels, torch.tensor([i for i in range(24) if i not in vocab_ids.tolist()])).any()
+    cfg = TrainConfig(max_steps=60, blocks_per_step=32, anchors_per_sequence=4, lr=3e-3, warmup_steps=2,
+                      eval_every=10, checkpoint_every=30, patience=0, out_dir=str(tmp_path / "drafter"),
+                      checkpoint_dir=str(tmp_path / "ckpt"))
+    result = train_dflash(drafter, train, val, cfg, pool_size=4, seed=0)
+    assert all(torch.isfinite(torch.tensor(h["val_loss"])) for h in result.history)
+    assert min(h["val_loss"] for h in result.history) < result.history[0]["val_loss"] - 0.1
+
+
+@pytest.mark.parametrize("name", TRAINABLE)
+def test_every_method_trains_and_decodes_on_a_drafter_with_a_draft_vocabulary(name):
+    target, _, narrow = _pair()
+    narrow = narrow.float()
+    method = create_method(name, narrow, JointConfig().settings(name), 4, seed=0)
+    prompts = [[1, 5, 7, 9, 3], [1, 20, 21]]
+    batch = scorable(make_batch(generate_batch(target, prompts, 16, set()), 3, 4, random.Random(0)), narrow)
+    narrow.zero_grad()
+    loss, terms = method.joint_loss(narrow, block_hidden(narrow, batch), batch.labels, batch.anchor_ids,
+                                    gamma=4.0, progress=0.5)
+    loss.backward()
+    assert all(math.isfinite(float(v)) for v in terms.values()) and float(terms["ce"]) > 0
+    assert float(narrow.fc.weight.grad.norm()) > 0
+    with torch.no_grad():  # a trained-looking method: random weights moved off the "keep" start
+        for p in method.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    method.eval()
+    for prompt in prompts:
+        spec = speculative_generate(target, narrow, prompt, 20, method=method, pool_size=4)
+        assert spec.tokens == ar_generate(target, prompt, 20).tokens
