@@ -3,9 +3,12 @@ torch threads; the check that no process a test started outlives the session."""
 
 from __future__ import annotations
 
+import getpass
 import os
+import tempfile
 import time
 import uuid
+from pathlib import Path
 
 # Triton's CPU interpreter for tests/kernels. It must be on before triton is first imported (its own
 # library functions are decorated then), and transformers imports triton, so it is set here, for the
@@ -21,6 +24,9 @@ from drelay.models.target import Target  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# drelay.models.target.cache_root: the SmolLM2 tokenizer parsed out of its GGUF (~15 s) once for the whole run,
+# shared by both xdist workers and every stage process (they inherit it), kept out of the user's ~/.cache.
+os.environ.setdefault("DRELAY_CACHE", str(Path(tempfile.gettempdir()) / f"drelay-test-cache-{getpass.getuser()}"))
 
 # Tiny models gain nothing from intra-op threads; on a busy 2-core CPU they oversubscribe it (seen
 # ~100x slower). One thread for the whole session (subprocesses the tests start set their own).
@@ -94,8 +100,6 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def mirror():
     """The offline data copies (benchmarks/, train_prompts/): `shared/` beside the repo clone."""
-    from pathlib import Path
-
     path = Path(__file__).resolve().parents[1].parent / "shared"  # <repo>/../shared
     if not (path / "benchmarks").is_dir():  # CI has it beside the clone: its absence is a failure
         pytest.fail(f"offline data mirror not found at {path} (shared/ must sit beside the repo)")

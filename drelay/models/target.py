@@ -12,11 +12,13 @@ import hashlib
 import importlib.util
 import inspect
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
@@ -230,6 +232,40 @@ def smollm2_gguf_path() -> Path:
     return path
 
 
+def cache_root() -> Path:
+    """Where DRelay keeps files that are slow to remake and safe to delete: $DRELAY_CACHE, else
+    $XDG_CACHE_HOME/drelay, else ~/.cache/drelay."""
+    if os.environ.get("DRELAY_CACHE"):
+        return Path(os.environ["DRELAY_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "drelay"
+
+
+def gguf_tokenizer(gguf_path: Path):
+    """The tokenizer inside a GGUF file. Parsing it out takes ~15 s on a 2-core CPU (gguf's reader walks
+    SmolLM2's 49k tokens and merges one field part at a time), so the parsed tokenizer is saved once under
+    `cache_root()`, keyed by the file's name, size and mtime and the transformers version, and read back
+    from there (~0.3 s). A cache that cannot be written or read is skipped, never an error."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
+    cached = cache_root() / "gguf-tokenizers" / key
+    if cached.is_dir():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except (OSError, ValueError):  # damaged: parse the GGUF again and replace it
+            shutil.rmtree(cached, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    tmp = cached.with_name(f"{key}.{os.getpid()}.partial")
+    try:  # written beside its place and renamed: a reader never sees half a folder
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(cached)
+    except OSError:  # read-only cache, or another process renamed its copy first
+        pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
+
+
 def convert_smollm2_gguf(out_dir: str | Path, gguf_path: str | Path | None = None) -> Path:
     """Dequantise the SmolLM2 GGUF into an HF safetensors folder (model, tokenizer, chat template).
 
@@ -246,7 +282,7 @@ def convert_smollm2_gguf(out_dir: str | Path, gguf_path: str | Path | None = Non
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     kwargs = dict(gguf_file=gguf_path.name)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), **kwargs)
+    tokenizer = gguf_tokenizer(gguf_path)
     loaded = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), dtype=torch.float32, **kwargs)
     # The weights are dequantised now: rebuild a plain model (a GGUF-flagged one refuses to save).
     config = loaded.config
@@ -272,8 +308,7 @@ def make_tiny_random_target(path: str | Path, seed: int = 0) -> Path:
     path = Path(path)
     if (path / "drelay_source.json").is_file():
         return path
-    gguf = smollm2_gguf_path()
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tokenizer = gguf_tokenizer(smollm2_gguf_path())
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,

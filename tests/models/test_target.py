@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -62,3 +64,25 @@ def test_fingerprint_ignores_load_dtype_but_not_weights():
     b32 = make_tiny_target(dtype=torch.float32, seed=1)
     assert a32.fingerprint() == a16.fingerprint()
     assert a32.fingerprint() != b32.fingerprint()
+
+
+def test_the_gguf_tokenizer_is_parsed_once_and_a_damaged_cache_is_rebuilt(tmp_path, monkeypatch):
+    """The SmolLM2 tokenizer is read from the cache the first parse of the GGUF wrote (the session's
+    DRELAY_CACHE); an entry that does not load (here: a garbled tokenizer.json) is parsed again and replaced."""
+    gguf = target_mod.smollm2_gguf_path()
+    shared = target_mod.gguf_tokenizer(gguf)  # parses the GGUF unless this session already did
+    entries = list((target_mod.cache_root() / "gguf-tokenizers").iterdir())
+    assert [e.name for e in entries if e.name.startswith(gguf.stem) and not e.name.endswith(".partial")]
+    text = "Natalia sold clips to 48 of her friends. <|im_end|>"
+
+    monkeypatch.setenv("DRELAY_CACHE", str(tmp_path))
+    (entry,) = [e for e in entries if e.name.startswith(gguf.stem) and ".partial" not in e.name]
+    damaged = tmp_path / "gguf-tokenizers" / entry.name
+    damaged.mkdir(parents=True)
+    for f in entry.iterdir():
+        (damaged / f.name).write_bytes(f.read_bytes())
+    (damaged / "tokenizer.json").write_text('{"truncated": ')
+    rebuilt = target_mod.gguf_tokenizer(gguf)
+    assert rebuilt.encode(text) == shared.encode(text) and rebuilt.chat_template == shared.chat_template
+    assert json.loads((damaged / "tokenizer.json").read_text())["model"]["type"] == "BPE"  # replaced
+    assert not list(damaged.parent.glob("*.partial"))
