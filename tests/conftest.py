@@ -15,6 +15,10 @@ from pathlib import Path
 # whole session. Harmless elsewhere: on CPU nothing but tests/kernels launches a Triton kernel (the
 # kernels' dispatch defaults to the torch reference there). TRITON_INTERPRET=0 runs them compiled on CUDA.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread in every process the tests start (stages, dvc, torchrun ranks inherit it; torch reads it when
+# imported): `make test` keeps both cores busy with two workers, and a stage with torch's default 2 threads beside
+# the other worker's test was seen 1.6x slower than alone (the smoke `dvc repro` ran past its 900 s timeout).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -61,7 +61,7 @@ def _dvc(repo: Path, env: dict, *args: str) -> str:
     proc = subprocess.Popen([sys.executable, "-m", "dvc", *args], cwd=repo, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=900)
+        stdout, stderr = proc.communicate(timeout=1800)  # a hang guard: the smoke repro takes ~10 min
     finally:
         stop_group(proc, first=signal.SIGKILL)
     assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
