@@ -58,13 +58,15 @@ test:
 
 # PROFILE=name: runs/<name>/ with profiles/<name>.yaml as its params.yaml (pipelines/profile.py);
 # the committed params.yaml is not touched.
+# Under one Prefect server for all the stages (pipelines/prefect_session.py): a stage alone starts its own (~8 s).
+SESSION = PATH="$(VENV_PATH)" $(PY) -m pipelines.prefect_session
 repro: setup
 	@if [ -n "$(PROFILE)" ]; then \
-		PATH="$(VENV_PATH)" $(PY) -m pipelines.profile "$(PROFILE)"; \
+		$(SESSION) $(PY) -m pipelines.profile "$(PROFILE)"; \
 	elif [ ! -f dvc.yaml ]; then \
 		echo "no pipeline stages yet: dvc.yaml comes with the pipeline issue"; \
 	else \
-		PATH="$(VENV_PATH)" $(VENV)/bin/dvc repro; \
+		$(SESSION) $(VENV)/bin/dvc repro; \
 	fi
 
 # DRelay's ablation (pipelines/ablation.py) on a reproduced pipeline's outputs: the repo root's, or

@@ -123,3 +123,35 @@ def test_resolve_from_repo(tmp_path):
     assert resolve_from_repo("../shared") == REPO_ROOT / "../shared"
     assert resolve_from_repo(tmp_path) == tmp_path
     assert (REPO_ROOT / "pipelines" / "common.py").is_file()  # resolved to the real repo
+
+
+PROBE = """
+import os, sys, urllib.request
+url = os.environ["PREFECT_API_URL"]
+with urllib.request.urlopen(url + "/health", timeout=10) as r:
+    print(url, r.status)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_prefect_session_serves_one_api_for_the_whole_command_and_stops_it(tmp_path, subprocess_env):
+    """`python -m pipelines.prefect_session CMD` (make repro): CMD sees a live PREFECT_API_URL, its exit code is
+    passed on, and the server is gone when it returns; a URL already set is passed through, no server started."""
+    import urllib.error
+    import urllib.request
+
+    def session(*cmd: str, env=subprocess_env) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "pipelines.prefect_session", *cmd], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=300)
+
+    out = session(sys.executable, "-c", PROBE, "3")
+    assert out.returncode == 3, out.stderr[-2000:]
+    url, status = out.stdout.split()
+    assert url.startswith("http://127.0.0.1:") and status == "200"
+    with pytest.raises((urllib.error.URLError, ConnectionError)):  # stopped with the command
+        urllib.request.urlopen(url + "/health", timeout=5)
+
+    given = {**subprocess_env, "PREFECT_API_URL": "http://127.0.0.1:9/api"}  # nothing listens: not contacted
+    out = session(sys.executable, "-c", "import os; print(os.environ['PREFECT_API_URL'])", env=given)
+    assert out.returncode == 0 and out.stdout.strip() == "http://127.0.0.1:9/api"
+    assert session().returncode == 2 and "usage" in session().stderr
