@@ -240,21 +240,27 @@ def cache_root() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "drelay"
 
 
+def gguf_tokenizer_cache(gguf_path: Path) -> Path:
+    """The cache folder of a GGUF file's tokenizer: keyed by the file's name, size and mtime and the
+    transformers version (a re-installed package or another transformers gets a new entry)."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
+    return cache_root() / "gguf-tokenizers" / key
+
+
 def gguf_tokenizer(gguf_path: Path):
     """The tokenizer inside a GGUF file. Parsing it out takes ~15 s on a 2-core CPU (gguf's reader walks
     SmolLM2's 49k tokens and merges one field part at a time), so the parsed tokenizer is saved once under
-    `cache_root()`, keyed by the file's name, size and mtime and the transformers version, and read back
-    from there (~0.3 s). A cache that cannot be written or read is skipped, never an error."""
-    stat = gguf_path.stat()
-    key = f"{gguf_path.stem}-{stat.st_size}-{stat.st_mtime_ns}-transformers{transformers.__version__}"
-    cached = cache_root() / "gguf-tokenizers" / key
+    `gguf_tokenizer_cache()` and read back from there (~0.3 s). A cache that cannot be written or read is
+    skipped, never an error."""
+    cached = gguf_tokenizer_cache(gguf_path)
     if cached.is_dir():
         try:
             return AutoTokenizer.from_pretrained(str(cached))
         except (OSError, ValueError):  # damaged: parse the GGUF again and replace it
             shutil.rmtree(cached, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    tmp = cached.with_name(f"{key}.{os.getpid()}.partial")
+    tmp = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
     try:  # written beside its place and renamed: a reader never sees half a folder
         cached.parent.mkdir(parents=True, exist_ok=True)
         tokenizer.save_pretrained(tmp)

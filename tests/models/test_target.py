@@ -71,13 +71,13 @@ def test_the_gguf_tokenizer_is_parsed_once_and_a_damaged_cache_is_rebuilt(tmp_pa
     DRELAY_CACHE); an entry that does not load (here: a garbled tokenizer.json) is parsed again and replaced."""
     gguf = target_mod.smollm2_gguf_path()
     shared = target_mod.gguf_tokenizer(gguf)  # parses the GGUF unless this session already did
-    entries = list((target_mod.cache_root() / "gguf-tokenizers").iterdir())
-    assert [e.name for e in entries if e.name.startswith(gguf.stem) and not e.name.endswith(".partial")]
+    entry = target_mod.gguf_tokenizer_cache(gguf)
+    assert (entry / "tokenizer.json").is_file() and entry.parent == target_mod.cache_root() / "gguf-tokenizers"
     text = "Natalia sold clips to 48 of her friends. <|im_end|>"
 
     monkeypatch.setenv("DRELAY_CACHE", str(tmp_path))
-    (entry,) = [e for e in entries if e.name.startswith(gguf.stem) and ".partial" not in e.name]
-    damaged = tmp_path / "gguf-tokenizers" / entry.name
+    damaged = target_mod.gguf_tokenizer_cache(gguf)
+    assert damaged == tmp_path / "gguf-tokenizers" / entry.name
     damaged.mkdir(parents=True)
     for f in entry.iterdir():
         (damaged / f.name).write_bytes(f.read_bytes())
