@@ -1,6 +1,7 @@
 """Cost of the target on this machine: one forward of t new tokens over a cached context, AR
-decoding speed, and one speculative step's parts, in bf16 and fp32 (fp32 also with plain
-`F.linear` in place of `drelay.models.cpu_linear`'s few-row rule, row "float32 F.linear"). Prints a table.
+decoding speed, and one speculative step's parts, in bf16 and fp32 (fp32 also with
+`drelay.models.cpu_linear`'s opt-in few-row rule in place of plain `F.linear`, row "float32 few-row"). Prints a
+table.
 
     .venv/bin/python benchmarks/target_forward.py [--target models/target] [--context 300]
 
@@ -18,10 +19,11 @@ from pathlib import Path
 import torch
 
 from drelay.decoding.generate import SpeculativeDecoder, ar_generate
+from drelay.models import cpu_linear
 from drelay.models.drafter import BlockDrafter
 from drelay.models.target import Target, convert_smollm2_gguf
 
-PLAIN = " F.linear"  # a dtype suffix: undo the few-row linear rule (the comparison's baseline)
+FEW_ROW = " few-row"  # a dtype suffix: the opt-in few-row linear rule on (products of up to 256 rows)
 
 PROMPTS = [
     "Explain why the sky is blue in a few sentences.",
@@ -58,18 +60,14 @@ def forward_costs(target: Target, context: int, widths, repeats: int) -> dict[in
     return costs
 
 
-def plain_linear(module: torch.nn.Module) -> None:
-    """Back to nn.Linear's own forward (F.linear) everywhere inside `module`."""
-    for sub in module.modules():
-        if isinstance(sub, torch.nn.Linear) and "forward" in vars(sub):
-            del sub.forward
+def few_row_rule(on: bool) -> None:
+    """The opt-in few-row rule on (up to 256 rows) or off, for every patched model, from now on."""
+    cpu_linear.MAX_ROWS = 256 if on else 0
 
 
-def draft_cost(target: Target, context: int, block_size: int, repeats: int, plain: bool) -> float:
+def draft_cost(target: Target, context: int, block_size: int, repeats: int) -> float:
     """Median ms of one drafter proposal (1-layer drafter: forward + LM head + top-k pool)."""
     drafter = BlockDrafter.for_target(target, block_size=block_size)
-    if plain:
-        plain_linear(drafter)
     decoder = SpeculativeDecoder(target, drafter, block_size=block_size)
     state = decoder.start(torch.randint(100, 40000, (context,)).tolist())
     return median_ms(lambda: decoder.propose(state), repeats)
@@ -81,24 +79,24 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--ar-tokens", type=int, default=64)
-    parser.add_argument("--dtypes", default=f"bfloat16,float32,float32{PLAIN}")
+    parser.add_argument("--dtypes", default=f"bfloat16,float32,float32{FEW_ROW}")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args()
     if not Path(args.target, "config.json").is_file():
         convert_smollm2_gguf(args.target)
-    widths = (1, 4, 8, 16)
+    widths = (1, 2, 4, 8, 16)
     rows = {}
     for dtype in args.dtypes.split(","):
-        target = Target.load(args.target, dtype=dtype.removesuffix(PLAIN))
-        if dtype.endswith(PLAIN):
-            plain_linear(target.model)
+        few_row_rule(dtype.endswith(FEW_ROW))  # on while this row is measured
+        target = Target.load(args.target, dtype=dtype.removesuffix(FEW_ROW))
         costs = forward_costs(target, args.context, widths, args.repeats)
-        draft = draft_cost(target, args.context, 8, args.repeats, dtype.endswith(PLAIN))
+        draft = draft_cost(target, args.context, 8, args.repeats)
         tps = []
         for prompt in PROMPTS:
             ids = target.encode_chat(prompt)
             tps.append(ar_generate(target, ids, args.ar_tokens).stats.tokens_per_s)
         rows[dtype] = {"forward_ms": costs, "draft_ms_B8": draft, "ar_tokens_per_s": statistics.mean(tps)}
+        few_row_rule(False)
 
     print(f"threads={torch.get_num_threads()} context={args.context} repeats={args.repeats}")
     header = "| dtype | " + " | ".join(f"fwd {t} tok (ms)" for t in widths) + \

@@ -241,7 +241,7 @@ class BlockDrafter(nn.Module):
         target.set_layer_ids(self.config.target_layer_ids)
         # the fused LM-head top-k needs a bias-free head; chosen once here, never per call
         self.ops = kernel_ops(target.device) if getattr(target.lm_head, "bias", None) is None else REFERENCE
-        use_few_row_linear(self)  # the drafter's own few-row products (one block at inference)
+        use_few_row_linear(self)  # the opt-in few-row rule for its own products (cpu_linear.py)
         return self
 
     def save(self, path: str | Path) -> Path:

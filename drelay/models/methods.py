@@ -47,9 +47,9 @@ def load_method(name: str, method_dir: str | Path, embed_tokens: nn.Module) -> R
 
 
 def _few_row(method: RepairMethod) -> RepairMethod:
-    """The method's linears take the few-row fp32 rule, as the target's and the drafter's do
-    (drelay/models/cpu_linear.py): a repair at decoding multiplies a block's few rows by vocabulary-wide
-    (DSpark's bigram, Domino's residual) or reader-sized weights. Training's many-row products keep F.linear."""
+    """The method's linears take the few-row fp32 rule when it is on, as the target's and the drafter's do
+    (drelay/models/cpu_linear.py, opt-in): a repair at decoding multiplies a block's few rows by vocabulary-wide
+    (DSpark's bigram, Domino's residual) or reader-sized weights."""
     use_few_row_linear(method)
     return method
 

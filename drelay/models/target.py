@@ -81,7 +81,7 @@ class Target:
 
     def __init__(self, model: nn.Module, tokenizer=None, layer_ids: list[int] | None = None, name: str = ""):
         self.model = model.eval().requires_grad_(False)
-        use_few_row_linear(self.model)  # few-row fp32 products on CPU as (W @ x^T)^T: faster decoding
+        use_few_row_linear(self.model)  # the opt-in few-row fp32 rule (cpu_linear.py; off by default)
         self.tokenizer = tokenizer
         self.name = name or getattr(model.config, "_name_or_path", "")
         self.config = model.config

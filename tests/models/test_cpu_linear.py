@@ -1,19 +1,23 @@
-"""The few-row linear rule: the same products as F.linear, used by the target and the drafter."""
+"""The opt-in few-row linear rule: the same products as F.linear; off by default, on for the target, the drafter
+and the repair methods when DRELAY_FEW_ROW_LINEAR_MAX_ROWS is set."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from drelay.models.cpu_linear import MAX_ROWS, few_row_linear, use_few_row_linear
+from drelay.models import cpu_linear
+from drelay.models.cpu_linear import few_row_linear, use_few_row_linear
+
+ON = 256  # rows, as DRELAY_FEW_ROW_LINEAR_MAX_ROWS=256 would set
 
 
 def test_matches_f_linear_for_every_row_count_and_shape():
     torch.manual_seed(0)
     weight, bias = torch.randn(40, 24), torch.randn(40)
-    for shape in [(1, 24), (3, 1, 24), (2, 8, 24), (MAX_ROWS + 5, 24), (24,)]:
+    for shape in [(1, 24), (3, 1, 24), (2, 8, 24), (ON + 5, 24), (24,)]:
         x = torch.randn(*shape)
         for b in (None, bias):
-            out = few_row_linear(x, weight, b)
+            out = few_row_linear(x, weight, b, max_rows=ON)
             assert out.shape == F.linear(x, weight, b).shape
             torch.testing.assert_close(out, F.linear(x, weight, b), rtol=1e-5, atol=1e-5)
             assert out.is_contiguous()
@@ -21,10 +25,11 @@ def test_matches_f_linear_for_every_row_count_and_shape():
 
 def test_other_dtypes_keep_f_linear_bit_for_bit():
     x, weight = torch.randn(2, 8, 24, dtype=torch.float64), torch.randn(40, 24, dtype=torch.float64)
-    assert torch.equal(few_row_linear(x, weight), F.linear(x, weight))
+    assert torch.equal(few_row_linear(x, weight, max_rows=ON), F.linear(x, weight))
 
 
-def test_patched_module_keeps_gradients_and_is_patched_once():
+def test_patched_module_keeps_gradients_and_is_patched_once(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "MAX_ROWS", ON)
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3, bias=False))
     ref = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3, bias=False))
@@ -39,9 +44,18 @@ def test_patched_module_keeps_gradients_and_is_patched_once():
     assert set(net.state_dict()) == set(ref.state_dict())
 
 
-def test_target_and_drafter_use_it(tiny_target):
+def test_off_by_default_and_target_and_drafter_use_it_when_on(monkeypatch):
     from drelay.models.drafter import BlockDrafter
-    drafter = BlockDrafter.for_target(tiny_target, block_size=4)
-    for model in (tiny_target.model, drafter):
-        linears = [m for m in model.modules() if type(m) is nn.Linear]
-        assert linears and all(getattr(m.forward, "__func__", None).__name__ == "_forward" for m in linears)
+    from tests.conftest import make_tiny_target
+
+    def routed(model) -> list[bool]:
+        return [getattr(m.forward, "__func__", None) is cpu_linear._forward for m in model.modules()
+                if type(m) is nn.Linear]
+
+    assert cpu_linear.MAX_ROWS == 0  # the suite runs without DRELAY_FEW_ROW_LINEAR_MAX_ROWS
+    target = make_tiny_target(dtype=torch.float32)
+    assert not any(routed(target.model)) and not any(routed(BlockDrafter.for_target(target, block_size=4)))
+    monkeypatch.setattr(cpu_linear, "MAX_ROWS", ON)
+    target = make_tiny_target(dtype=torch.float32)
+    for model in (target.model, BlockDrafter.for_target(target, block_size=4)):
+        assert routed(model) and all(routed(model))

@@ -11,6 +11,7 @@ import torch
 
 from drelay.config import EVAL_METHODS, JOINT_METHODS, JointConfig
 from drelay.data.records import make_batch
+from drelay.models import cpu_linear
 from drelay.models.drafter import BlockDrafter
 from drelay.models.methods import (METHODS, TRAINABLE, create_method, load_method, load_speculator, method_class,
                                    save_method)
@@ -59,9 +60,9 @@ def test_every_trainable_method_starts_as_the_native_and_round_trips_through_its
     assert type(loaded) is type(method) and not loaded.training
     assert all(torch.equal(a, b) for a, b in zip(method.state_dict().values(), loaded.state_dict().values()))
     assert torch.equal(loaded.select(block), method.select(block))
-    for m in (method, loaded):  # the few-row fp32 rule, as the target's and drafter's (cpu_linear.py)
-        assert all(getattr(lin.forward, "__func__", None).__name__ == "_forward"
-                   for lin in m.modules() if type(lin) is torch.nn.Linear)
+    for m in (method, loaded):  # the few-row fp32 rule only when it is on (cpu_linear.py; off in the suite)
+        assert not any(getattr(lin.forward, "__func__", None) is cpu_linear._forward
+                       for lin in m.modules() if type(lin) is torch.nn.Linear)
     saved = sorted(p.relative_to(tmp_path / name) for p in (tmp_path / name).rglob("*.*"))
     assert saved == ([] if method.folder_name is None else
                      [Path(method.folder_name, "config.json"), Path(method.folder_name, "model.safetensors")])
