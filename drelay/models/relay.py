@@ -133,9 +133,12 @@ class Lattice(nn.Module):
         """Teacher-forced: predecessors (N, n), hidden (N, n, H), candidates (N, n, k) -> L (N, n, k), >= float32."""
         return wide(torch.einsum("nir,nikr->nik", self.query(prev_ids, hidden), self.successor[cand_ids])) * self.scale
 
-    def vocabulary(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """L_i(y_{i-1}, v) for every token v: predecessors (N, n), hidden (N, n, H) -> (N, n, V), >= float32."""
-        return wide(self.query(prev_ids, hidden) @ self.successor.T) * self.scale
+    def vocabulary(self, prev_ids: torch.Tensor, hidden: torch.Tensor,
+                   ids: torch.Tensor | None = None) -> torch.Tensor:
+        """L_i(y_{i-1}, v) for every token v (or every v in `ids`, (N_ids,)): predecessors (N, n), hidden (N, n, H)
+        -> (N, n, V or N_ids), >= float32."""
+        successor = self.successor if ids is None else self.successor[ids]
+        return wide(self.query(prev_ids, hidden) @ successor.T) * self.scale
 
     def table(self, anchor_ids: torch.Tensor, pool_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Over the pools: anchor (N,), pool_ids (N, n, k), hidden (N, n, H) -> T (N, n, k, k) (>= float32) with
@@ -454,22 +457,31 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
                                              repair_weight=cfg.repair_weight, omega=cfg.omega)
         if cfg.lattice_ce and self.lattice is not None:
             lattice_ce = self.lattice_ce(hidden, logits if cfg.lattice_coadapt else logits.detach(), labels,
-                                         anchor_ids, gamma)
+                                         anchor_ids, gamma, drafter)
             loss = loss + cfg.lattice_ce * lattice_ce
             terms = {**terms, "loss": loss.detach(), "lattice_ce": lattice_ce.detach()}
         return loss, terms
 
-    def lattice_ce(self, hidden, logits, labels, anchor_ids, gamma: float) -> torch.Tensor:
+    def lattice_ce(self, hidden, logits, labels, anchor_ids, gamma: float,
+                   drafter: BlockDrafter | None = None) -> torch.Tensor:
         """The lattice's vocabulary-wide CE: softmax over all V of z_i (detached unless settings.lattice_coadapt:
         then the backbone learns the bigram's residual, as DSpark's does) + L_i(y_{i-1}, ·) against y_i,
         position-weighted like the DFlash CE. Teacher-forced on the true predecessors (y_0 = the anchor).
         It trains every row of P and S (the pool-only σ reaches just the rows of pool tokens), so the lattice
         learns the drafter's residual bigram as DSpark's head does; σ then reads it over the pool.
-        hidden (..., n, H), logits (..., n, V), labels (..., n), anchor_ids (...)."""
+        hidden (..., n, H), logits (..., n, V), labels (..., n), anchor_ids (...). With a draft vocabulary
+        (`drafter.vocab_ids`) the softmax runs over its ids only: every other id has z = OUT_OF_VOCAB, so it
+        adds exp(-1e9) = 0 to the normaliser and gets no gradient, and the loss is the same at a fraction of the
+        cost (labels outside it are IGNORE in training batches)."""
         n = labels.shape[-1]
-        prev = torch.cat([anchor_ids.reshape(-1, 1), labels.reshape(-1, n)[:, : n - 1].clamp(min=0)], dim=1)
-        bigram = self.lattice.vocabulary(prev, hidden.reshape(-1, n, hidden.shape[-1]).to(self.reader.A.weight.dtype))
-        return dflash_ce(wide(logits).reshape(bigram.shape) + bigram, labels.reshape(-1, n), gamma)[0]
+        labels = labels.reshape(-1, n)
+        prev = torch.cat([anchor_ids.reshape(-1, 1), labels[:, : n - 1].clamp(min=0)], dim=1)
+        vocab_ids = None if drafter is None else drafter.vocab_ids
+        bigram = self.lattice.vocabulary(prev, hidden.reshape(-1, n, hidden.shape[-1]).to(self.reader.A.weight.dtype),
+                                         vocab_ids)
+        if vocab_ids is not None:  # narrowed before the upcast: only the draft vocabulary's columns are widened
+            logits, labels = logits.index_select(-1, vocab_ids), drafter.draft_positions(labels, IGNORE)
+        return dflash_ce(wide(logits).reshape(bigram.shape) + bigram, labels, gamma)[0]
 
     def tune(self, score: Score) -> dict[float, float]:
         """δ with the highest held-out replay τ among settings.repair_margins (ties: the δ closest to 0,

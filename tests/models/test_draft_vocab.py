@@ -76,6 +76,29 @@ def test_the_narrow_cross_entropy_equals_the_wide_one_and_ignores_ids_it_cannot_
     torch.testing.assert_close(grad_narrow, grad_wide)
 
 
+def test_the_lattice_ce_over_the_draft_vocabulary_equals_the_vocabulary_wide_one():
+    """DRelay's lattice CE with a draft vocabulary normalises over its ids only: the ids the drafter never scores
+    have z = OUT_OF_VOCAB and add nothing, so value and gradients (hidden, P, S) equal the whole-vocabulary CE."""
+    from drelay.config import DRelaySettings
+    from drelay.models.relay import DRelay
+
+    target, _, narrow = _pair()
+    relay = DRelay.create(narrow, DRelaySettings(reader_dim=32, reader_heads=4), pool_size=4, seed=0)
+    torch.nn.init.normal_(relay.lattice.successor, std=0.5)  # S starts at 0: give the bigram term a value
+    hidden = torch.randn(2, 3, target.hidden_size, requires_grad=True)
+    labels = narrow.drafts_only_vocab(torch.tensor([[5, 13, 47], [21, 9, 2]]), IGNORE)  # 9: not draftable
+    anchors = torch.tensor([3, 40])
+    logits = narrow.logits(hidden)
+    wide_ce = relay.lattice_ce(hidden, logits, labels, anchors, 4.0)  # softmax over all 48 ids
+    narrow_ce = relay.lattice_ce(hidden, logits, labels, anchors, 4.0, narrow)  # over the 12 draft ids
+    assert torch.isfinite(wide_ce)
+    torch.testing.assert_close(narrow_ce, wide_ce)
+    params = [hidden, relay.lattice.successor, relay.lattice.predecessor]
+    wide_grads = torch.autograd.grad(wide_ce, params, retain_graph=True)
+    for g_wide, g_narrow in zip(wide_grads, torch.autograd.grad(narrow_ce, params)):
+        torch.testing.assert_close(g_narrow, g_wide)
+
+
 def test_the_draft_vocabulary_is_saved_and_loaded_with_the_drafter(tmp_path):
     target, _, narrow = _pair()
     narrow.save(tmp_path / "d")
