@@ -60,7 +60,9 @@ def markdown(result: EvalResult, info: dict) -> str:
     the live checks. `info` gives samples/live_samples/max_new_tokens per benchmark, dtype, etc."""
     lines = ["# Evaluation", ""]
     lines += [f"Target `{info.get('target', '?')}` ({info.get('dtype', '?')}, {info.get('device', '?')}), "
-              f"pool size k = {info.get('pool_size', '?')}, block size B = {info.get('block_size', '?')}, "
+              f"pool size k = {info.get('pool_size', '?')}, block size B = {info.get('block_size', '?')}"
+              + (f" (the target checks the first {info['verify_size']} tokens of each block)"
+                 if info.get("verify_size") else "") + ", "
               f"T > 0 verification rule `{info.get('sampling_rule', '?')}`.", ""]
     lines += ["Which numbers are which:",
               "- **τ**, pool-hit, replace rate, repair precision, harm rate: *replay* — the target writes one "
@@ -78,6 +80,10 @@ def markdown(result: EvalResult, info: dict) -> str:
         lines.append(f"| {bench} | {row['samples']} ({row['sequences']}) | {row['live_samples']} "
                      f"| {row['max_new_tokens']} / {info.get('live_max_new_tokens', '?')} |")
     lines.append("")
+    spent = {phase: s for phase, s in result.seconds.items() if s}
+    if spent:  # this run's own work (cells reused from an earlier run cost nothing here)
+        lines += ["Time spent by this run: " + ", ".join(f"{phase} {s:.0f} s" for phase, s in spent.items())
+                  + f" ({result.computed} cells computed, {result.reused} reused).", ""]
     for tkey, rows in result.tables.items():
         methods = _methods(rows)
         lines += [f"## {tkey.replace('_', '.').replace('T', 'T = ', 1)}: τ (replay) / speedup over AR (live)", ""]

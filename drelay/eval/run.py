@@ -25,6 +25,7 @@ import math
 import os
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -37,7 +38,7 @@ from drelay.data.records import Sequence
 from drelay.decoding.replay import ReplayStats
 from drelay.eval.live import live_prompt, predicted_speedup, summarize_live
 from drelay.eval.paired import Paired, paired_bootstrap
-from drelay.eval.replay_eval import continuations, replay_methods
+from drelay.eval.replay_eval import grouped_continuations, replay_methods
 from drelay.io import json_digest
 from drelay.models.methods import Speculator, load_speculator
 from drelay.models.target import Target
@@ -47,6 +48,8 @@ AR = "ar"
 # resumed runs recompute instead of reusing (settings, models and continuations are stamped already).
 CELL_VERSION = 1
 REPLAY_METRICS = ("tau", "pool_hit", "replace_rate", "repair_precision", "harm_rate")
+# Where an evaluation's time goes: the target's continuations, the replays, live decoding (reused cells cost ~0).
+PHASES = ("continuations", "replay", "live")
 _COUNTERS = ("accepted_at", "reached", "pool_hit", "replaced_at", "replaced_right_at", "harmed_at")
 
 
@@ -122,6 +125,7 @@ class EvalResult:
     focus: str | None = None  # the method `paired` compares with the others
     paired: dict[str, dict[str, dict[str, Paired]]] = field(default_factory=dict)  # [T][other][bench]: focus - other
     stamps: dict[str, dict[str, str]] = field(default_factory=dict)  # [T][bench]: what makes per-sample τ comparable
+    seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # wall time per phase
     reused: int = 0
     computed: int = 0
 
@@ -179,12 +183,13 @@ def mean_row(rows: dict[str, dict[str, dict[str, float]]], methods: list[str], n
 def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *, benchmarks_dir: str | Path,
              pool_size: int, sampling_rule: str = "residual", max_prompt_tokens: int = 384, seed: int = 0,
              precision: str = "bfloat16", focus: str = "drelay", log: Callable[[str], None] = print,
-             on_cell: Callable[[int, int, str], None] | None = None) -> EvalResult:
+             on_cell: Callable[[int, int, str], None] | None = None, verify_size: int = 0) -> EvalResult:
     """Every benchmark x method x temperature of `cfg` (methods: `ar` plus the keys of `methods`,
     which include `oracle` if wanted). Resumes from the cells under `cfg.out_dir`.
 
     precision: the replay's matmuls, as in training (train.precision: bfloat16 autocast or float32).
     focus: the method compared with every other one, paired over samples, with bootstrap intervals.
+    verify_size: tokens the target checks per step, in replay and live (0: each drafter's whole block).
     `on_cell(done, total, what)` reports progress after each cell. Raises LosslessnessError (after
     saving every finished cell) if a T=0 output departs from AR where rounding cannot explain it."""
     out_dir = Path(cfg.out_dir)
@@ -192,6 +197,10 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
     names = [m for m in cfg.methods if m == AR or m in methods]
     trained = [m for m in names if m != AR]
     native, oracle = reference_methods({m: methods[m] for m in trained})
+    too_small = [m for m in trained if verify_size > methods[m].drafter.config.block_size]
+    if too_small:
+        raise ValueError(f"decode.verify_size {verify_size} is more than the block of {', '.join(too_small)} "
+                         f"({methods[too_small[0]].drafter.config.block_size} tokens)")
     result = EvalResult(native=native, oracle=oracle)
     total = sum(len(trained) + cfg.per_benchmark("live_samples", b) for b in cfg.benchmarks) * len(cfg.temperatures)
     done = 0
@@ -208,10 +217,15 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
         tables: dict[str, dict[str, dict[str, float]]] = {}
         pooled: dict[str, ReplayStats] = {}
         result.live_records[tkey], result.sequences[tkey] = {}, {}
+        t0 = time.perf_counter()
+        per_bench = temperature_sequences(target, cfg, temperature, benchmarks_dir=benchmarks_dir, pool_size=pool_size,
+                                          max_prompt_tokens=max_prompt_tokens, seed=seed, precision=precision,
+                                          target_fp=target_fp, verify_size=verify_size)
+        result.seconds["continuations"] += time.perf_counter() - t0
+        log(f"{tkey}: {sum(len(seqs) for seqs, _ in per_bench.values())} target continuations "
+            f"({time.perf_counter() - t0:.0f} s)")
         for bench in cfg.benchmarks:
-            seqs, base = benchmark_sequences(target, cfg, bench, temperature, benchmarks_dir=benchmarks_dir,
-                                             pool_size=pool_size, max_prompt_tokens=max_prompt_tokens, seed=seed,
-                                             precision=precision, target_fp=target_fp)
+            seqs, base = per_bench[bench]
             result.sequences[tkey][bench] = len(seqs)
             result.stamps.setdefault(tkey, {})[bench] = json_digest(base)
             stats: dict[str, ReplayStats] = {}
@@ -220,9 +234,11 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
                 key = f"{tkey}/{bench}/replay_{name}"
                 saved = store.get(key, stamp)
                 if saved is None:
+                    t0 = time.perf_counter()
                     s = replay_methods({name: methods[name]}, seqs, pool_size,  # as in training
-                                       autocast=precision == "bfloat16")[name]
+                                       autocast=precision == "bfloat16", verify_size=verify_size)[name]
                     store.put(key, stamp, stats_to_dict(s))
+                    result.seconds["replay"] += time.perf_counter() - t0
                     result.computed += 1
                 else:
                     s = stats_from_dict(saved)
@@ -232,7 +248,7 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
                 result.sample_taus.setdefault(tkey, {}).setdefault(name, {})[bench] = list(s.taus)
                 tick(f"{tkey} {bench} replay {name}")
             records = _live_cells(target, methods, trained, seqs, cfg, bench, temperature, base, store, result,
-                                  pool_size, sampling_rule, seed, tick)
+                                  pool_size, sampling_rule, seed, tick, verify_size)
             result.live_records[tkey][bench] = records
             live = summarize_live(records)
             ar_tps = statistics.mean(r["ar"]["tokens_per_s"] for r in records) if records else None
@@ -252,35 +268,48 @@ def run_grid(target: Target, methods: dict[str, Speculator], cfg: EvalConfig, *,
     return result
 
 
-def benchmark_sequences(target: Target, cfg: EvalConfig, bench: str, temperature: float, *,
-                        benchmarks_dir: str | Path, pool_size: int, max_prompt_tokens: int, seed: int,
-                        precision: str, target_fp: str | None = None) -> tuple[list[Sequence], dict]:
-    """One benchmark's target continuations at `temperature` (written once under `cfg.out_dir`, then reused)
-    and the stamp of everything a replayed τ on them depends on besides the method's model."""
-    n, max_new = cfg.per_benchmark("samples", bench), cfg.per_benchmark("max_new_tokens", bench)
-    samples = load_prepared_benchmark(benchmarks_dir, bench, n)
-    seqs: list[Sequence] = continuations(
-        target, samples, Path(cfg.out_dir) / "continuations" / temperature_key(temperature) / bench,
-        max_new_tokens=max_new, max_prompt_tokens=max_prompt_tokens, batch_size=cfg.batch_size,
-        temperature=temperature, seed=seed)
-    base = {"version": CELL_VERSION, "target": target_fp or target.fingerprint(), "benchmark": bench,
-            "temperature": temperature, "samples": n, "max_new_tokens": max_new, "max_prompt_tokens": max_prompt_tokens,
-            "pool_size": pool_size, "seed": seed, "continuations": _sequences_digest(seqs),
-            **({} if precision == "bfloat16" else {"precision": precision})}
-    return seqs, base
+def temperature_sequences(target: Target, cfg: EvalConfig, temperature: float, *, benchmarks_dir: str | Path,
+                          pool_size: int, max_prompt_tokens: int, seed: int, precision: str,
+                          target_fp: str | None = None, verify_size: int = 0) -> dict[str, tuple[list[Sequence], dict]]:
+    """Every benchmark's target continuations at `temperature` and the stamp of everything a replayed τ on them
+    depends on besides the method's model: {benchmark: (sequences, stamp)}. The benchmarks that share a token
+    budget are generated together, `cfg.batch_size` rows at a time (`grouped_continuations`), written once under
+    `<cfg.out_dir>/continuations/<T>/new<budget>/` and reused by later runs."""
+    target_fp = target_fp or target.fingerprint()
+    budgets: dict[int, dict[str, list]] = {}
+    for bench in cfg.benchmarks:
+        budgets.setdefault(cfg.per_benchmark("max_new_tokens", bench), {})[bench] = load_prepared_benchmark(
+            benchmarks_dir, bench, cfg.per_benchmark("samples", bench))
+    seqs: dict[str, list[Sequence]] = {}
+    for max_new, groups in budgets.items():
+        seqs |= grouped_continuations(
+            target, groups, Path(cfg.out_dir) / "continuations" / temperature_key(temperature) / f"new{max_new}",
+            max_new_tokens=max_new, max_prompt_tokens=max_prompt_tokens, batch_size=cfg.batch_size,
+            temperature=temperature, seed=seed)
+    out = {}
+    for bench in cfg.benchmarks:
+        base = {"version": CELL_VERSION, "target": target_fp, "benchmark": bench, "temperature": temperature,
+                "samples": cfg.per_benchmark("samples", bench),
+                "max_new_tokens": cfg.per_benchmark("max_new_tokens", bench), "max_prompt_tokens": max_prompt_tokens,
+                "pool_size": pool_size, "seed": seed, "continuations": _sequences_digest(seqs[bench]),
+                **({} if precision == "bfloat16" else {"precision": precision}),
+                **({"verify_size": verify_size} if verify_size else {})}
+        out[bench] = (seqs[bench], base)
+    return out
 
 
 def replay_sample_taus(target: Target, speculator: Speculator, cfg: EvalConfig, temperature: float, *,
                        benchmarks_dir: str | Path, pool_size: int, max_prompt_tokens: int, seed: int,
-                       precision: str) -> tuple[dict[str, list[float]], dict[str, str]]:
+                       precision: str, verify_size: int = 0) -> tuple[dict[str, list[float]], dict[str, str]]:
     """One method's per-sample replay τ on the evaluation's continuations at `temperature`, per benchmark, and
     the stamps (`EvalResult.stamps`) of that evaluation: what the promotion gate compares a registered model on."""
     taus, stamps = {}, {}
-    for bench in cfg.benchmarks:
-        seqs, base = benchmark_sequences(target, cfg, bench, temperature, benchmarks_dir=benchmarks_dir,
-                                         pool_size=pool_size, max_prompt_tokens=max_prompt_tokens, seed=seed,
-                                         precision=precision)
-        stats = replay_methods({"m": speculator}, seqs, pool_size, autocast=precision == "bfloat16")["m"]
+    per_bench = temperature_sequences(target, cfg, temperature, benchmarks_dir=benchmarks_dir, pool_size=pool_size,
+                                      max_prompt_tokens=max_prompt_tokens, seed=seed, precision=precision,
+                                      verify_size=verify_size)
+    for bench, (seqs, base) in per_bench.items():
+        stats = replay_methods({"m": speculator}, seqs, pool_size, autocast=precision == "bfloat16",
+                               verify_size=verify_size)["m"]
         taus[bench], stamps[bench] = list(stats.taus), json_digest(base)
     return taus, stamps
 
@@ -295,7 +324,8 @@ def _sequences_digest(seqs: list[Sequence]) -> str:
 
 def _live_cells(target: Target, methods: dict[str, Speculator], trained: list[str], seqs: list[Sequence],
                 cfg: EvalConfig, bench: str, temperature: float, base: dict, store: CellStore, result: EvalResult,
-                pool_size: int, sampling_rule: str, seed: int, tick: Callable[[str], None]) -> list[dict]:
+                pool_size: int, sampling_rule: str, seed: int, tick: Callable[[str], None],
+                verify_size: int = 0) -> list[dict]:
     """The live records of the first `live_samples` prompts of a benchmark (each one cell: AR and
     every method on that prompt, in this process, back to back). A method that reads the truth (the oracle)
     runs live at T=0 only."""
@@ -311,9 +341,11 @@ def _live_cells(target: Target, methods: dict[str, Speculator], trained: list[st
         key = f"{tkey}/{bench}/live_{i:03d}"
         record = store.get(key, stamp)
         if record is None:
+            t0 = time.perf_counter()
             record = live_prompt(target, {m: methods[m] for m in live_names}, ids, cfg.live_max_new_tokens, pool_size, temperature,
-                                 seed=seed + i, sampling_rule=sampling_rule)
+                                 seed=seed + i, sampling_rule=sampling_rule, verify_size=verify_size)
             store.put(key, stamp, record)
+            result.seconds["live"] += time.perf_counter() - t0
             result.computed += 1
         else:
             result.reused += 1

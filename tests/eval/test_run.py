@@ -5,6 +5,7 @@ recomputing only its own cells, and the report + plots."""
 
 import json
 import math
+import shutil
 from functools import partial
 
 import pytest
@@ -77,6 +78,7 @@ def test_every_cell_is_present_and_finite(first):
     assert "speedup" not in result.tables["T1"]["gsm8k"][ORACLE]  # the live oracle needs T=0
     assert "identical_rate" not in result.tables["T1"]["gsm8k"]["dflash"]
     assert result.sequences["T0"] == {"gsm8k": 2, "mt_bench": 4}  # MT-Bench: both turns of each sample
+    assert all(result.seconds[phase] > 0 for phase in ("continuations", "replay", "live"))
     mean = result.tables["T0"]["mean"]["dflash2"]
     assert mean["tau"] == pytest.approx(sum(t0[b]["dflash2"]["tau"] for b in BENCHES) / 2)
 
@@ -118,9 +120,24 @@ def test_second_run_reuses_every_cell_and_gives_the_same_tables(first, models, p
     out, result = first
     again = grid(models, config(out), prepared_benchmarks)
     assert again.computed == 0 and again.reused == result.computed + result.reused
+    assert again.seconds["replay"] == again.seconds["live"] == 0.0  # nothing recomputed
     for tkey in result.tables:
         for bench in BENCHES:
             assert again.tables[tkey][bench] == result.tables[tkey][bench]
+
+
+def test_checking_fewer_drafts_is_its_own_evaluation(first, models, prepared_benchmarks, tmp_path):
+    """decode.verify_size: stamped into every cell (the whole-block cells are not reused for it), τ at most
+    verify_size, and a size above a drafter's block is an error naming the setting."""
+    out = tmp_path / "eval"
+    shutil.copytree(first[0], out)  # a copy: the module's cells stay as the other tests expect them
+    fewer = grid(models, config(out, temperatures=(0.0,)), prepared_benchmarks, verify_size=2)
+    assert fewer.reused == 0 and fewer.computed > 0
+    for bench in BENCHES:
+        assert fewer.tables["T0"][bench]["dflash"]["tau"] <= 2.0
+        assert fewer.tables["T0"][bench]["dflash"]["identical_rate"] == 1.0
+    with pytest.raises(ValueError, match="decode.verify_size 9 is more than the block of dflash"):
+        grid(models, config(out), prepared_benchmarks, verify_size=9)
 
 
 def test_an_interrupted_run_resumes_from_its_finished_cells(models, prepared_benchmarks, tmp_path):
