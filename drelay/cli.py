@@ -89,6 +89,11 @@ def cmd_generate(args) -> int:
         print(f"error: --block-size must be in [2, {drafter.config.block_size}] (the drafter's block size), "
               f"got {args.block_size}", file=sys.stderr)
         return 2
+    block = args.block_size or drafter.config.block_size
+    if args.verify_size is not None and not 2 <= args.verify_size <= block:
+        print(f"error: --verify-size must be in [2, {block}] (the drafted block), got {args.verify_size}",
+              file=sys.stderr)
+        return 2
     prompt_ids = target.encode_chat(args.prompt) if not args.raw else target.tokenizer(args.prompt)["input_ids"]
     stop = [] if args.ignore_eos else target.stop_token_ids()
     reference = None
@@ -98,7 +103,8 @@ def cmd_generate(args) -> int:
     result = speculative_generate(target, drafter, prompt_ids, args.max_new_tokens, method=method,
                                   block_size=args.block_size, temperature=args.temperature, pool_size=args.pool_size,
                                   stop_token_ids=stop, sampling_rule=args.sampling_rule, generator=gen,
-                                  reference=reference.tokens if method.needs_truth else None)
+                                  reference=reference.tokens if method.needs_truth else None,
+                                  verify_size=args.verify_size)
     print(target.tokenizer.decode(result.tokens, skip_special_tokens=False))
     print(json.dumps({"method": args.method, "dtype": dtype, **result.stats.summary()}))
     if not args.check_lossless:
@@ -185,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="use the prompt as plain text, no chat template")
     g.add_argument("--temperature", type=_nonnegative_float, default=0.0)
     g.add_argument("--block-size", type=_positive_int, default=None, help="default (and most): the drafter's")
+    g.add_argument("--verify-size", type=_positive_int, default=None,
+                   help="tokens the target checks per step: the anchor and the first drafts (default: the whole block)")
     g.add_argument("--pool-size", type=_positive_int, default=8)
     g.add_argument("--max-new-tokens", type=_positive_int, default=128)
     g.add_argument("--sampling-rule", choices=["residual", "match"], default="residual")

@@ -90,9 +90,13 @@ class DecodeConfig:
 
     pool_size: int = 8  # k candidates per block position
     sampling_rule: str = "residual"  # residual (lossless rejection) | match (DFlash sample+match), at T > 0
+    verify_size: int = 0  # tokens the target checks per step (anchor + drafts, after repair; evaluate and
+    # `drelay generate`); 0: the drafter's whole block. Fewer cost less per step when late drafts rarely pass
 
     def __post_init__(self) -> None:
         _require(self.pool_size >= 1, "pool_size", ">= 1", self.pool_size)
+        _require(self.verify_size == 0 or self.verify_size >= 2, "verify_size",
+                 "0 (the whole block) or >= 2 (anchor + at least one draft)", self.verify_size)
         rules = " or ".join(SAMPLING_RULES)
         _require(self.sampling_rule in SAMPLING_RULES, "sampling_rule", rules, self.sampling_rule)
 

@@ -62,7 +62,8 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
         result = run_grid(target, methods, cfg, benchmarks_dir=Path(params.data.out_dir) / "benchmarks",
                           pool_size=params.decode.pool_size, sampling_rule=params.decode.sampling_rule,
                           max_prompt_tokens=params.distill.max_prompt_tokens, seed=params.run.seed,
-                          precision=params.train.precision, log=bar.write, on_cell=on_cell)
+                          precision=params.train.precision, log=bar.write, on_cell=on_cell,
+                          verify_size=params.decode.verify_size)
         bar.close()
         bad = nonfinite(result.tables)
         if bad:
@@ -73,6 +74,7 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
         any_method = next(iter(methods.values()), None)
         info = {"target": params.target.path, "dtype": params.target.dtype, "device": str(target.device),
                 "pool_size": params.decode.pool_size, "sampling_rule": params.decode.sampling_rule,
+                "verify_size": params.decode.verify_size,
                 "block_size": any_method.drafter.config.block_size if any_method else "?",
                 "oracle_drafter": cfg.oracle_drafter, "live_max_new_tokens": cfg.live_max_new_tokens,
                 "plots": [str(p) for p in PLOTS.values()],
@@ -92,11 +94,12 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
         tracker.log_metrics({f"{t}/{b}/{m}/{k}": v for t, rows in result.tables.items() for b, cells in rows.items()
                              for m, metrics in cells.items() for k, v in metrics.items()})
         metrics = {**result.tables, "cells_computed": result.computed, "cells_reused": result.reused,
+                   **{f"{phase}_s": seconds for phase, seconds in result.seconds.items()},
                    "paired": {t: {other: {b: p.as_dict() for b, p in rows.items()} for other, rows in per.items()}
                               for t, per in result.paired.items()},
                    "wall_s": time.perf_counter() - start}
-        tracker.log_metrics({"cells_computed": result.computed, "cells_reused": result.reused,
-                             "wall_s": metrics["wall_s"]})
+        tracker.log_metrics({k: metrics[k] for k in ("cells_computed", "cells_reused", "wall_s",
+                                                      *(f"{phase}_s" for phase in result.seconds))})
         write_metrics("eval", metrics)
     return metrics
 

@@ -35,7 +35,8 @@ def reevaluator(params):
         return replay_sample_taus(target, speculator, params.eval, params.registry.temperature,
                                   benchmarks_dir=Path(params.data.out_dir) / "benchmarks",
                                   pool_size=params.decode.pool_size, max_prompt_tokens=params.distill.max_prompt_tokens,
-                                  seed=params.run.seed, precision=params.train.precision)
+                                  seed=params.run.seed, precision=params.train.precision,
+                                  verify_size=params.decode.verify_size)
     return reevaluate
 
 

@@ -121,6 +121,17 @@ def test_every_registered_method_decodes_losslessly_on_the_smoke_models(smoke_mo
     assert stats["new_tokens"] == 40 and stats["steps"] >= 1
 
 
+def test_checking_fewer_drafts_decodes_losslessly(smoke_models, capsys):
+    target_dir, root = smoke_models
+    assert main(["generate", "--target", str(target_dir), "--drafter", str(root / "drafter"), "--method", "drelay",
+                 "--method-dir", str(root / "drelay"), "--prompt", "Write a haiku about rain.", "--max-new-tokens",
+                 "40", "--pool-size", "4", "--ignore-eos", "--verify-size", "2", "--check-lossless"]) == 0
+    out = capsys.readouterr().out
+    assert "lossless check (float32): identical: 40 tokens match AR" in out
+    stats = json.loads(next(line for line in out.splitlines() if line.startswith('{"method": "drelay"')))
+    assert stats["tau"] <= 2.0  # at most one draft accepted per step
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--method", "drelay"], "--method drelay needs --method-dir DIR"),
     (["--method", "domino"], "--method domino needs --method-dir DIR"),
@@ -148,3 +159,6 @@ def test_block_size_above_the_drafters_is_an_error(smoke_models, capsys):
     rc = main(["generate", "--target", str(target_dir), "--drafter", str(root / "drafter"), "--prompt", "hi",
                "--block-size", "9"])
     assert rc == 2 and "--block-size must be in [2, 4] (the drafter's block size), got 9" in capsys.readouterr().err
+    rc = main(["generate", "--target", str(target_dir), "--drafter", str(root / "drafter"), "--prompt", "hi",
+               "--block-size", "3", "--verify-size", "4"])
+    assert rc == 2 and "--verify-size must be in [2, 3] (the drafted block), got 4" in capsys.readouterr().err

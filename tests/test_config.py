@@ -131,6 +131,8 @@ def test_value_constraints_name_file_and_key(tmp_path, text, message):
 def test_value_constraint_also_applies_to_direct_construction():
     with pytest.raises(ConfigError, match="pool_size must be >= 1, got 0"):
         DecodeConfig(pool_size=0)
+    with pytest.raises(ConfigError, match=r"verify_size must be 0 \(the whole block\) or >= 2"):
+        DecodeConfig(verify_size=1)
 
 
 def test_overrides_apply_in_order_and_parse_yaml_values(tmp_path):

@@ -121,8 +121,8 @@ class DecodeState:
 
 @dataclass
 class StepRecord:
-    draft_tokens: torch.Tensor  # (1, B-1) after repair
-    target_logits: torch.Tensor  # (1, B, V) verification rows
+    draft_tokens: torch.Tensor  # (1, verify_size - 1): the verified drafts, after repair
+    target_logits: torch.Tensor  # (1, verify_size, V) verification rows
     accept_len: int
     next_token: int
 
@@ -132,17 +132,25 @@ class SpeculativeDecoder:
 
     `method`: any repair method (drelay/models/repair.py); None verifies the native top-1 (DFlash).
     `reference`: the target's own new tokens for this prompt, for a method that reads the truth (the
-    oracle, T = 0 only). The fused ops are chosen once, here, for the target's device."""
+    oracle, T = 0 only). `verify_size`: tokens per verification forward (the anchor and the first
+    verify_size - 1 drafts after repair; None or 0: the whole block): the drafter still drafts and the method
+    still repairs its whole block, so the drafts are the same, and the target checks fewer of them, which
+    costs less per step when the late positions are rarely accepted. The fused ops are chosen once, here,
+    for the target's device."""
 
     def __init__(self, target: Target, drafter: BlockDrafter, method: RepairMethod | None = None,
                  block_size: int | None = None, pool_size: int = 8, temperature: float = 0.0,
                  sampling_rule: str = "residual", generator: torch.Generator | None = None,
-                 reference: list[int] | None = None):
+                 reference: list[int] | None = None, verify_size: int | None = None):
         self.target, self.drafter, self.method = target, drafter, method
         self.block_size = block_size or drafter.config.block_size
         if not 2 <= self.block_size <= drafter.config.block_size:
             raise ValueError(f"block_size must be in [2, {drafter.config.block_size}] (anchor + at least one "
                              f"draft, at most the drafter's block), got {self.block_size}")
+        self.verify_size = verify_size or self.block_size
+        if not 2 <= self.verify_size <= self.block_size:
+            raise ValueError(f"verify_size must be in [2, {self.block_size}] (anchor + at least one draft, at most "
+                             f"the drafted block), got {self.verify_size}")
         if pool_size < 1:
             raise ValueError(f"pool_size must be >= 1, got {pool_size}")
         if temperature < 0:
@@ -213,9 +221,10 @@ class SpeculativeDecoder:
         draft_tokens = block.pool_ids[..., 0] if self.method is None else self.method.select(block)
         t2 = time.perf_counter()
 
-        n = self.block_size - 1
-        inputs = torch.cat([state.anchor[:, None], draft_tokens], dim=1)  # (1, B)
-        positions = state.anchor_pos + torch.arange(self.block_size, device=inputs.device)[None]
+        n = self.verify_size - 1
+        draft_tokens = draft_tokens[:, :n]  # the drafts the target checks
+        inputs = torch.cat([state.anchor[:, None], draft_tokens], dim=1)  # (1, verify_size)
+        positions = state.anchor_pos + torch.arange(self.verify_size, device=inputs.device)[None]
         out = self.target.forward(inputs, state.target_cache, position_ids=positions)
         accept_len, next_token = self.accept(draft_tokens, out.logits)
         a = int(accept_len[0])
@@ -246,9 +255,9 @@ class SpeculativeDecoder:
 def speculative_generate(target: Target, drafter: BlockDrafter, prompt_ids: list[int], max_new_tokens: int,
                          method: RepairMethod | None = None, block_size: int | None = None, temperature: float = 0.0,
                          pool_size: int = 8, stop_token_ids=(), sampling_rule: str = "residual",
-                         generator: torch.Generator | None = None, reference: list[int] | None = None
-                         ) -> GenerationResult:
+                         generator: torch.Generator | None = None, reference: list[int] | None = None,
+                         verify_size: int | None = None) -> GenerationResult:
     """Speculative decoding; `method=None` verifies the drafter's native top-1 (DFlash)."""
     decoder = SpeculativeDecoder(target, drafter, method, block_size, pool_size, temperature,
-                                 sampling_rule, generator, reference)
+                                 sampling_rule, generator, reference, verify_size)
     return decoder.generate(prompt_ids, max_new_tokens, stop_token_ids)

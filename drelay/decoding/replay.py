@@ -149,16 +149,22 @@ def precompute_blocks(drafter: BlockDrafter, sequences: list[Sequence], block_si
 @torch.no_grad()
 def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | None = None, pool_size: int = 8,
            repair: Repair | None = None, batch_size: int = 16, max_steps: int | None = None,
-           blocks: ReplayBlocks | None = None) -> ReplayStats:
+           blocks: ReplayBlocks | None = None, verify_size: int | None = None) -> ReplayStats:
     """Acceptance statistics of a method along each sequence's response (anchor starts at P).
     `repair`: a repair method or any `DraftBlock -> tokens` hook; None: the native top-1.
-    `blocks`: these sequences' precomputed blocks (`precompute_blocks`): no drafter pass here."""
+    `blocks`: these sequences' precomputed blocks (`precompute_blocks`): no drafter pass here.
+    `verify_size`: as the live engine's (SpeculativeDecoder): the whole block is drafted and repaired, the first
+    verify_size - 1 drafts are checked (None or 0: all); later positions are never reached."""
     B = block_size or drafter.config.block_size
+    V = verify_size or B
+    if not 2 <= V <= B:
+        raise ValueError(f"verify_size must be in [2, {B}] (anchor + at least one draft, at most the block), got {V}")
     if blocks is not None and (blocks.sequences is not sequences or blocks.block_size != B
                                or blocks.pool_size != pool_size):
         raise ValueError("precomputed blocks were made for other sequences, block size or pool size")
     stats = ReplayStats(**{name: torch.zeros(B - 1) for name in _COUNTERS})
     device = drafter.fc.weight.device
+    verified = torch.arange(B - 1, device=device)[None] < V - 1  # (1, B-1): the drafts the target checks
     for rows, seqs, features, tokens, lengths in _batches(sequences, batch_size, device):
         b, T = tokens.shape
         if blocks is None:
@@ -187,11 +193,12 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
             labels = block_labels(tokens, lengths, a, B)[:, 0]  # (b, B-1)
             block = DraftBlock(tokens.gather(1, a)[:, 0], a[:, 0], hidden, logits, pool_ids, pool_logprobs, labels)
             draft = pool_ids[..., 0] if repair is None else repair(block)
-            match = (draft == labels) & (labels != IGNORE)
+            checked = (labels != IGNORE) & verified
+            match = (draft == labels) & checked
             prefix_ok = torch.cumprod(match.long(), dim=1)  # (b, B-1): accepted positions
             accept_len = prefix_ok.sum(1)
             reached = torch.cat([torch.ones_like(prefix_ok[:, :1]), prefix_ok[:, :-1]], 1).bool()
-            reached &= (labels != IGNORE) & active[:, None]
+            reached &= checked & active[:, None]
             native = pool_ids[..., 0]
             stats.accepted_at += (prefix_ok.bool() & active[:, None]).sum(0).float().cpu()
             stats.reached += reached.sum(0).float().cpu()

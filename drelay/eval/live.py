@@ -30,9 +30,10 @@ class LosslessnessError(RuntimeError):
 
 def live_prompt(target: Target, methods: dict[str, Speculator], prompt_ids: list[int], max_new_tokens: int,
                 pool_size: int = 8, temperature: float = 0.0, seed: int = 0,
-                sampling_rule: str = "residual") -> dict[str, dict]:
+                sampling_rule: str = "residual", verify_size: int = 0) -> dict[str, dict]:
     """AR, then every method, on one prompt. Returns {"ar": {...}, method: {...}} of plain numbers:
-    tokens/s, τ, step-time split and (T=0) the identical-output check with its divergence, if any."""
+    tokens/s, τ, step-time split and (T=0) the identical-output check with its divergence, if any.
+    `verify_size`: tokens the target checks per step (0: the drafter's whole block)."""
     stop = target.stop_token_ids()
 
     def generator() -> torch.Generator | None:
@@ -44,7 +45,8 @@ def live_prompt(target: Target, methods: dict[str, Speculator], prompt_ids: list
         reference = ar.tokens if spec.method.needs_truth else None  # the oracle reads AR's output (T = 0)
         res = speculative_generate(target, spec.drafter, prompt_ids, max_new_tokens, method=spec.method,
                                    temperature=temperature, pool_size=pool_size, stop_token_ids=stop,
-                                   sampling_rule=sampling_rule, generator=generator(), reference=reference)
+                                   sampling_rule=sampling_rule, generator=generator(), reference=reference,
+                                   verify_size=verify_size)
         s = res.stats
         record = {"tau": s.tau, "tokens_per_s": s.tokens_per_s, "new_tokens": s.new_tokens, "wall_s": s.wall_s,
                   "steps": s.steps, "draft_s": s.draft_s, "repair_s": s.repair_s, "verify_s": s.verify_s}

@@ -66,6 +66,22 @@ def test_perfect_and_corrupted_drafts_are_lossless_at_every_accept_length(tiny_t
             assert seen == set(range(block_size)), seen
 
 
+@pytest.mark.parametrize("verify_size", [2, 5])
+def test_checking_fewer_drafts_than_the_block_is_lossless_and_accepts_at_most_those(tiny_target, verify_size):
+    drafter = BlockDrafter.for_target(tiny_target, block_size=8)
+    for i, prompt in enumerate(PROMPTS):
+        expected = ar_generate(tiny_target, prompt, 64).tokens
+        perfect = GreedyStandIn(len(prompt), expected, 96, corrupt=False)
+        got = speculative_generate(tiny_target, drafter, prompt, 64, method=perfect, verify_size=verify_size)
+        assert got.tokens == expected
+        assert all(a == verify_size - 1 for a in got.stats.accept_lengths[:-1])  # a full check every step
+        corrupted = GreedyStandIn(len(prompt), expected, 96, corrupt=True, seed=i)
+        got = speculative_generate(tiny_target, drafter, prompt, 64, method=corrupted, verify_size=verify_size)
+        assert got.tokens == expected and max(got.stats.accept_lengths) <= verify_size - 1
+    with pytest.raises(ValueError, match="verify_size must be in"):
+        speculative_generate(tiny_target, drafter, PROMPTS[0], 8, verify_size=9)
+
+
 def test_stop_token_inside_a_block(tiny_target):
     prompt = PROMPTS[0]
     full = ar_generate(tiny_target, prompt, 64).tokens
@@ -80,9 +96,11 @@ def test_stop_token_inside_a_block(tiny_target):
     assert got.tokens == expected
 
 
-def test_float32_with_the_few_row_linear_rule_is_lossless():
-    """fp32 on CPU: target and drafter run their few-row products as (W @ x^T)^T
+def test_float32_with_the_few_row_linear_rule_is_lossless(monkeypatch):
+    """fp32 on CPU with the opt-in rule on: target and drafter run their few-row products as (W @ x^T)^T
     (`drelay.models.cpu_linear`); 1-row decode steps and 8-row verifications still agree."""
+    from drelay.models import cpu_linear
+    monkeypatch.setattr(cpu_linear, "MAX_ROWS", 256)
     target = make_tiny_target(dtype=torch.float32)
     assert "forward" in vars(target.lm_head)  # the rule is on
     drafter = BlockDrafter.for_target(target, block_size=8)

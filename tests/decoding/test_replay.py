@@ -34,6 +34,23 @@ def test_replay_reproduces_live_acceptance_lengths():
     assert total_accepted > 0  # the comparison covered real acceptances
 
 
+@pytest.mark.parametrize("verify_size", [2, 3])
+def test_checking_fewer_drafts_replays_like_the_live_engine(verify_size):
+    """verify_size < B: the whole block is drafted (and repaired), the target checks its first verify_size - 1
+    drafts; replay stops acceptance there exactly as the engine does, and positions past it are never reached."""
+    target, drafter, seqs = _setup()
+    stats = replay(drafter, seqs, pool_size=4, batch_size=3, verify_size=verify_size)
+    assert max(max(lengths) for lengths in stats.accept_lengths) <= verify_size - 1
+    assert stats.reached[verify_size - 1:].sum() == 0 and stats.reached[: verify_size - 1].sum() > 0
+    for prompt, lengths in zip(PROMPTS, stats.accept_lengths):
+        live = speculative_generate(target, drafter, prompt, 40, verify_size=verify_size).stats.accept_lengths
+        assert lengths[:-1] == live[: len(lengths) - 1]
+    whole = replay(drafter, seqs, pool_size=4, batch_size=3)
+    assert replay(drafter, seqs, pool_size=4, batch_size=3, verify_size=4).accept_lengths == whole.accept_lengths
+    with pytest.raises(ValueError, match="verify_size must be in"):
+        replay(drafter, seqs, pool_size=4, verify_size=5)
+
+
 def test_oracle_bounds_native_and_stats_are_consistent():
     _, drafter, seqs = _setup()
     native = replay(drafter, seqs, pool_size=4)

@@ -7,7 +7,7 @@ import pytest
 from drelay.data.benchmarks import BenchmarkSample, conversation
 from drelay.decoding.generate import speculative_generate
 from drelay.eval.live import live_compare
-from drelay.eval.replay_eval import continuations, replay_methods
+from drelay.eval.replay_eval import continuations, grouped_continuations, replay_methods
 from drelay.models.methods import Speculator
 from drelay.models.repair import Native, Oracle
 from tests.methods import Hook
@@ -42,6 +42,19 @@ def test_continuations_follow_each_turn_and_are_reused(setup, tmp_path):
     assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("shard_*.safetensors")} == stamps  # not regenerated
     short = continuations(target, SAMPLES, tmp_path / "short", max_new_tokens=10, max_prompt_tokens=15)
     assert all(s.prompt_len <= 15 for s in short) and len(short) < len(seqs)  # over-long prompts are skipped
+
+
+def test_groups_generated_together_equal_each_group_alone(setup, tmp_path):
+    target, _ = setup
+    groups = {"mt_bench": [SAMPLES[0], SAMPLES[2]], "gsm8k": [SAMPLES[1]]}
+    together = grouped_continuations(target, groups, tmp_path / "all", max_new_tokens=10, max_prompt_tokens=512,
+                                     batch_size=4)
+    assert list(together) == ["mt_bench", "gsm8k"]
+    for name, samples in groups.items():
+        alone = continuations(target, samples, tmp_path / name, max_new_tokens=10, max_prompt_tokens=512, batch_size=4)
+        assert [s.tokens.tolist() for s in together[name]] == [s.tokens.tolist() for s in alone]  # T=0, float32
+        assert [s.prompt_len for s in together[name]] == [s.prompt_len for s in alone]
+    assert len(list((tmp_path / "all").rglob("shard_*.safetensors"))) == 2  # turn 1: 3 prompts, turn 2: 2
 
 
 def test_replayed_tau_equals_live_tau_on_the_same_prompts(setup, tmp_path):
