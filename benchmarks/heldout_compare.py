@@ -23,15 +23,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import torch  # noqa: E402
-
-from drelay.config import load_params  # noqa: E402
-from drelay.data.records import load_distilled, split_sequences  # noqa: E402
 from drelay.eval.paired import paired_bootstrap  # noqa: E402
 from drelay.eval.replay_eval import replay_methods  # noqa: E402
 from drelay.models.methods import Speculator, load_speculator  # noqa: E402
 from drelay.models.repair import Native, Oracle  # noqa: E402
-from drelay.models.target import Target  # noqa: E402
+from workspace import load_workspace  # noqa: E402
 
 
 def main() -> None:
@@ -42,12 +38,7 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=0, help="held-out sequences to replay (0: all)")
     ap.add_argument("--out", type=Path, help="write the numbers as JSON here")
     args = ap.parse_args()
-    params = load_params(args.params)
-    torch.manual_seed(params.run.seed)
-    if params.run.threads:
-        torch.set_num_threads(params.run.threads)
-    target = Target.load(params.target.path, dtype=params.target.dtype, device=params.target.device)
-    _, val = split_sequences(load_distilled(params.distill.out_dir), params.train.val_fraction, params.run.seed)
+    params, target, val = load_workspace(args.params)
     val = val[: args.sequences or None]
     joint_dir, pool = Path(params.joint.common.out_dir), params.decode.pool_size
     names = args.methods or list(params.joint.methods)
