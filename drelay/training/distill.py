@@ -222,10 +222,12 @@ def distill(target: Target, prompts: list[list[int]], out_dir: str | Path, *, ma
     if rank != 0:
         return {"shards_reused": reused, "generated_tokens_this_run": gen_tokens}
     summary = summarize(out_dir, shards)
-    summary.update({"shards_reused": reused, "generated_tokens_this_run": gen_tokens,
-                    "generation_tokens_per_s": gen_tokens / gen_seconds if gen_seconds else 0.0})
+    # the manifest holds only what the shards determine, so the same sequences give the same folder hash
+    # (DVC then skips the stages downstream of an unchanged re-distillation); this run's counts and speed are
+    # returned for the metrics
     (out_dir / MANIFEST).write_text(json.dumps({"shards": shards, **summary}, indent=2))
-    return summary
+    return {**summary, "shards_reused": reused, "generated_tokens_this_run": gen_tokens,
+            "generation_tokens_per_s": gen_tokens / gen_seconds if gen_seconds else 0.0}
 
 
 def shard_prompts(n_prompts: int, shard_size: int, rank: int | None = None, world: int | None = None) -> int:

@@ -163,6 +163,8 @@ def test_interrupted_distillation_resumes_from_the_last_complete_shard(tmp_path)
     fresh = _run(target, tmp_path / "fresh")
     assert [s.tokens.tolist() for s in load_distilled(tmp_path)] == [s.tokens.tolist() for s in load_distilled(tmp_path / "fresh")]
     assert fresh["shards_reused"] == 0
+    # the manifest depends on the sequences only (not on reuse or speed): same data, same DVC hash downstream
+    assert (tmp_path / MANIFEST).read_bytes() == (tmp_path / "fresh" / MANIFEST).read_bytes()
 
 
 def test_other_settings_start_over(tmp_path):
