@@ -201,7 +201,7 @@ class SpeculativeDecoder:
         hidden = self.drafter.draft_hidden(state.draft_cache, state.anchor, anchor_pos, self.block_size)
         logits, pool_ids, pool_logprobs = self.drafter.pool(hidden, self.pool_size, self.needs_logits)  # (b, B-1, k)
         return DraftBlock(state.anchor, anchor_pos, hidden, logits, pool_ids, pool_logprobs,
-                          self._truth(state, self.block_size - 1))
+                          self._truth(state, self.block_size - 1), checked=self.verify_size - 1)
 
     def _fused_residual_accept(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor):
         uniforms, noise = residual_noise(draft_tokens.shape, target_logits.shape[-1], self.generator,

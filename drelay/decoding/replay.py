@@ -191,7 +191,8 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
                 hidden, pool_ids, pool_logprobs = (t[batch_rows, j] for t in cached)
                 logits = None
             labels = block_labels(tokens, lengths, a, B)[:, 0]  # (b, B-1)
-            block = DraftBlock(tokens.gather(1, a)[:, 0], a[:, 0], hidden, logits, pool_ids, pool_logprobs, labels)
+            block = DraftBlock(tokens.gather(1, a)[:, 0], a[:, 0], hidden, logits, pool_ids, pool_logprobs, labels,
+                               checked=V - 1)
             draft = pool_ids[..., 0] if repair is None else repair(block)
             checked = (labels != IGNORE) & verified
             match = (draft == labels) & checked

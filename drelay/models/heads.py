@@ -221,15 +221,17 @@ class RepairHead(EmbeddingBoundFolder, RepairMethod):
         """Repair one block left to right on the head's own choices: tokens (b, n) [, σ (b, n, m)].
         prefix_ids (b, n), for tests and analysis: feed these tokens to the prefix instead of the choices."""
         hidden, n = block.hidden.to(self.dtype), block.hidden.shape[1]
+        # only the drafts the target checks (block.checked); scores and a given prefix ask for every position
+        walk = n if return_scores or prefix_ids is not None else block.walk_length()
         prev, state = block.anchor_ids[:, None], None
         tokens, scores = [], []
-        for i in range(n):
+        for i in range(walk):
             context, state = self._context(prev, state)
             sigma, ids = self._score(hidden[:, i: i + 1], block.logits[:, i: i + 1], context)  # (b, 1, m)
             tokens.append(self._pick(sigma, ids, block.pool_ids[:, i: i + 1, 0]))  # (b, 1)
             scores.append(sigma[:, 0])
             prev = tokens[-1] if prefix_ids is None else prefix_ids[:, i: i + 1].clamp(min=0)
-        tokens = torch.cat(tokens, dim=1)
+        tokens = torch.cat(tokens + [block.pool_ids[:, walk:, 0]], dim=1)  # unchecked drafts: the native
         return (tokens, torch.stack(scores, dim=1)) if return_scores else tokens
 
     @staticmethod

@@ -587,6 +587,12 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         else:
             pool_ids, pool_logprobs = block.pool_ids, block.pool_logprobs
         g, _, g_anchor, table = self.read(block.hidden, pool_ids, pool_logprobs, block.anchor_ids)
+        # the reader saw the whole block; the walk stops at the last draft the target checks (block.checked):
+        # the walk is causal, so its choices there are the same; later drafts stay native
+        n = pool_ids.shape[1]
+        walk = n if return_scores or prefix_ids is not None or self.config.beam_width > 1 else block.walk_length()
+        full_pool, g, pool_ids, pool_logprobs = pool_ids, g[:, :walk], pool_ids[:, :walk], pool_logprobs[:, :walk]
+        table = None if table is None else table[:, :walk]
         sel = self.selector
         terms = sel.candidate_terms(g, pool_logprobs)  # the candidate-only parts of σ, once
         # the prefix input each candidate would feed if chosen (chosen tokens are always in the pool)
@@ -612,7 +618,8 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
                 table = self.lattice.forced(true_prev, block.hidden.to(g.dtype), pool_ids)[:, :, None]
             choice, sigma = self._select_loop(g, terms, chosen_inputs, anchor, table, pool_ids, prefix_ids,
                                               repair_margin)
-        tokens = pool_ids.gather(-1, choice[..., None]).squeeze(-1)  # (b, n)
+        tokens = pool_ids.gather(-1, choice[..., None]).squeeze(-1)  # (b, walk)
+        tokens = torch.cat([tokens, full_pool[:, walk:, 0]], dim=1)  # (b, n): the unchecked drafts native
         return (tokens, sigma) if return_scores else tokens
 
     @staticmethod

@@ -42,6 +42,13 @@ class DraftBlock:
     pool_logprobs: torch.Tensor  # (b, B-1, k) their log-probabilities under softmax(z_i)
     truth: torch.Tensor | None = None  # (b, B-1) the target's tokens where known (replay, a live
     # reference), negative elsewhere; only analysis methods (needs_truth) read it
+    checked: int | None = None  # the target verifies drafts 1..checked only (decode.verify_size - 1; None: all):
+    # a method may stop its left-to-right walk there and leave the later drafts at the native top-1
+
+    def walk_length(self) -> int:
+        """How many positions a left-to-right selector must walk: the checked ones (at least one, at most all)."""
+        n = self.pool_ids.shape[-2]
+        return n if self.checked is None else max(1, min(n, self.checked))
 
 
 Repair = Callable[[DraftBlock], torch.Tensor]  # DraftBlock -> draft tokens (b, B-1)

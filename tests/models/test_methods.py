@@ -101,3 +101,22 @@ def test_load_speculator_takes_the_oracle_on_the_drafter_it_names(drafter_and_bl
     assert isinstance(spec.method, Oracle) and spec.fingerprint
     native = load_speculator(target, tmp_path, "dflash")
     assert isinstance(native.method, Native) and native.fingerprint != spec.fingerprint  # folder vs drafter/
+
+
+@pytest.mark.parametrize("name", [n for n in TRAINABLE if method_class(n).repairs])
+def test_a_walk_stops_at_the_last_checked_draft_and_chooses_there_as_over_the_whole_block(drafter_and_block, name):
+    """With decode.verify_size the target checks drafts 1..checked only: a method walks those (its choices
+    there are the whole walk's, the walk being causal) and leaves the later drafts native."""
+    target, drafter, block = drafter_and_block
+    method = create_method(name, drafter, JointConfig().settings(name), POOL, seed=0)
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # a trained-looking method: weights off their neutral start, so it replaces
+        for p in method.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * 0.5)
+    full = method.select(block)
+    native = block.pool_ids[..., 0]
+    assert (full != native).any()  # a real comparison: the whole walk replaces somewhere
+    for checked in range(1, full.shape[1] + 1):
+        part = method.select(DraftBlock(**{**block.__dict__, "checked": checked}))
+        assert torch.equal(part[:, :checked], full[:, :checked])
+        assert torch.equal(part[:, checked:], native[:, checked:])
