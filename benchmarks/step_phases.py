@@ -1,8 +1,9 @@
 """Where a live decoding step's time goes, per method: drafting, the repair (a method's select) and the
 target's verification, in ms per step and as shares of the step; and what the walk stopping at the last
 checked draft saves (`DraftBlock.checked`: with `decode.verify_size` V the target checks drafts 1..V-1 only,
-so a selector walks those and leaves the rest native; `--whole-walk` also times every method walking the
-whole block, as before). The two walks give the same tokens; the benchmark checks it on every prompt.
+so a selector walks those and leaves the rest native, and DRelay's reader computes its last layer for those
+positions only; `--whole-walk` also times every method walking the whole block, as before). The two walks choose
+the same tokens up to float rounding in the reader's last layer: the benchmark reports any prompt where they part.
 Methods and walks alternate prompt by prompt, so machine noise hits them alike.
 
     .venv/bin/python benchmarks/step_phases.py [--params P] [--methods dflash drelay ...] [--verify-size 3]
@@ -72,8 +73,8 @@ def main() -> None:
                     t[key] += getattr(res.stats, key)
                 t["steps"] += res.stats.steps
                 t["new_tokens"] += res.stats.new_tokens
-            if len(set(map(tuple, outputs.values()))) > 1:
-                raise SystemExit(f"{m}: the walks gave different tokens on prompt {i}")
+            if len(set(map(tuple, outputs.values()))) > 1:  # speculative decoding is lossless either way: only
+                print(f"  note: {m}'s walks parted on prompt {i}", flush=True)  # a near-tie of a choice can do this
         print(f"prompt {i + 1}/{len(prompts)} decoded", flush=True)
 
     ar_ms = 1000 * ar_s / max(ar_tokens, 1)

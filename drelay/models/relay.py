@@ -159,10 +159,14 @@ class EncoderLayer(nn.Module):
         self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim), nn.Dropout(dropout))
 
-    def forward(self, x: torch.Tensor, causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, causal: bool = False, keep: int | None = None) -> torch.Tensor:
+        """x (b, t, d) -> (b, t, d); with `keep` (full attention only), the outputs of the first `keep` tokens
+        (b, keep, d): every token is still attended to, only the others' queries and MLP rows are skipped."""
         b, t, d = x.shape
         qkv = self.qkv(self.norm1(x)).view(b, t, 3, self.heads, d // self.heads)
         q, k, v = qkv.permute(2, 0, 3, 1, 4)  # (b, nh, t, hs) each
+        if keep is not None and keep < t and not causal:
+            q, x, t = q[:, :, :keep], x[:, :keep], keep
         y = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=self.dropout if self.training else 0.0)
         x = x + F.dropout(self.out(y.transpose(1, 2).reshape(b, t, d)), self.dropout, self.training)  # (b, t, d)
         return x + self.mlp(self.norm2(x))
@@ -195,9 +199,11 @@ class GlobalReader(nn.Module):
 
     def forward(self, cand_embeds: torch.Tensor, pool_ids: torch.Tensor, hidden: torch.Tensor,
                 pool_logprobs: torch.Tensor, messages: torch.Tensor | None = None,
-                anchor: torch.Tensor | None = None):
+                anchor: torch.Tensor | None = None, positions: int | None = None):
         """cand_embeds (N, n, k, H), pool_ids (N, n, k), hidden (N, n, H), pool_logprobs (N, n, k), messages
-        (N, n, k, 3) | None, anchor input (N, d) | None -> g (N, n, k, d), support (N, n, k), g_anchor (N, d) | None."""
+        (N, n, k, 3) | None, anchor input (N, d) | None -> g (N, n, k, d), support (N, n, k), g_anchor (N, d) | None.
+        positions: only the first `positions` positions' outputs are wanted (a walk that stops there): every
+        candidate is still read, and the last layer computes only the wanted tokens (g, support: (N, positions, k))."""
         N, n, k, _ = cand_embeds.shape
         s = pool_logprobs.clamp(min=MIN_LOGPROB)[..., None]  # (N, n, k, 1)
         u = self.token_input(cand_embeds, pool_ids) + self.Bh(hidden)[:, :, None] + self.f(s) \
@@ -207,11 +213,15 @@ class GlobalReader(nn.Module):
         x = u.view(N, n * k, -1)  # (N, n*k, d): every candidate of the block is one token
         if anchor is not None:
             x = torch.cat([(anchor + self.anchor_pos)[:, None].to(x.dtype), x], dim=1)
-        for layer in self.layers:
-            x = layer(x)
+        wanted = n if positions is None else min(n, positions)
+        for i, layer in enumerate(self.layers):
+            last = i == len(self.layers) - 1
+            x = layer(x, keep=wanted * k + (anchor is not None) if last and wanted < n else None)
+        if not self.layers:
+            x = x[:, : wanted * k + (anchor is not None)]
         x = self.norm(x)
         g_anchor, x = (x[:, 0], x[:, 1:]) if anchor is not None else (None, x)
-        g = x.reshape(N, n, k, -1)  # (N, n, k, d)
+        g = x.reshape(N, wanted, k, -1)  # (N, wanted, k, d)
         return g, self.support_head(g).squeeze(-1), g_anchor
 
 
@@ -507,10 +517,11 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
             raise RelayError("relay has no embedding: call relay.attach(target.embed_tokens) first")
         return self.shared.embed_tokens(ids).to(self.reader.A.weight.dtype)
 
-    def read(self, hidden, pool_ids, pool_logprobs, anchor_ids, need_table: bool = True):
+    def read(self, hidden, pool_ids, pool_logprobs, anchor_ids, need_table: bool = True, positions: int | None = None):
         """hidden (N, n, H), pool (N, n, k), anchor_ids (N,) -> g (N, n, k, d), support logits (N, n, k), the
         anchor's reader feature (N, d) | None and the lattice table over the pools (N, n, k, k) | None
-        (computed when there is a lattice and the messages or `need_table` ask for it)."""
+        (computed when there is a lattice and the messages or `need_table` ask for it). positions: g and support
+        of the first `positions` positions only (the reader still reads them all; see GlobalReader)."""
         n, k = pool_ids.shape[-2:]
         if n > self.config.block_size - 1 or k > self.config.pool_size:
             raise RelayError(f"block of {n} positions x {k} candidates exceeds the relay's "
@@ -527,7 +538,7 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         if self.reader.anchor_pos is not None:
             anchor = self.reader.token_input(self.embed(anchor_ids), anchor_ids)
         g, support, g_anchor = self.reader(self.embed(pool_ids), pool_ids, hidden, pool_logprobs.to(dtype),
-                                           messages, anchor)
+                                           messages, anchor, positions)
         return g, support, g_anchor, table
 
     def anchor_input(self, anchor_ids: torch.Tensor, g_anchor: torch.Tensor | None) -> torch.Tensor:
@@ -586,12 +597,12 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
             pool_ids, pool_logprobs = self.lattice_pool(block.logits, block.hidden, block.anchor_ids)
         else:
             pool_ids, pool_logprobs = block.pool_ids, block.pool_logprobs
-        g, _, g_anchor, table = self.read(block.hidden, pool_ids, pool_logprobs, block.anchor_ids)
-        # the reader saw the whole block; the walk stops at the last draft the target checks (block.checked):
-        # the walk is causal, so its choices there are the same; later drafts stay native
+        # the walk stops at the last draft the target checks (block.checked): the walk is causal, so its choices
+        # there are the whole walk's; the reader still reads the whole block, and later drafts stay native
         n = pool_ids.shape[1]
         walk = n if return_scores or prefix_ids is not None or self.config.beam_width > 1 else block.walk_length()
-        full_pool, g, pool_ids, pool_logprobs = pool_ids, g[:, :walk], pool_ids[:, :walk], pool_logprobs[:, :walk]
+        g, _, g_anchor, table = self.read(block.hidden, pool_ids, pool_logprobs, block.anchor_ids, positions=walk)
+        full_pool, pool_ids, pool_logprobs = pool_ids, pool_ids[:, :walk], pool_logprobs[:, :walk]
         table = None if table is None else table[:, :walk]
         sel = self.selector
         terms = sel.candidate_terms(g, pool_logprobs)  # the candidate-only parts of σ, once

@@ -49,10 +49,11 @@ def as_if_trained(relay: DRelay) -> DRelay:
     return relay
 
 
-def _relay(prefix_model="gru", block_size=6, pool_size=4, trained=True, variant="lite", **kw) -> DRelay:
+def _relay(prefix_model="gru", block_size=6, pool_size=4, trained=True, variant="lite", reader_layers=2,
+           **kw) -> DRelay:
     torch.manual_seed(0)
     cfg = RelayConfig(hidden_size=H, block_size=block_size, pool_size=pool_size, reader_dim=32,
-                      reader_layers=2, reader_heads=4, prefix_model=prefix_model, **VARIANTS[variant], **kw)
+                      reader_layers=reader_layers, reader_heads=4, prefix_model=prefix_model, **VARIANTS[variant], **kw)
     embed = nn.Embedding(V, H).double().requires_grad_(False)
     relay = DRelay(cfg).double().attach(embed)
     return as_if_trained(relay) if trained else relay
@@ -88,6 +89,27 @@ def test_candidate_pool_is_sorted_top_k_of_log_softmax():
     assert bool((logprobs[..., :-1] >= logprobs[..., 1:]).all())
     ref = torch.log_softmax(logits.float(), -1).gather(-1, ids)
     torch.testing.assert_close(logprobs, ref)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("layers", [0, 2])
+def test_a_read_of_the_first_positions_is_the_whole_reads_there_and_still_sees_the_whole_block(variant, layers):
+    """A walk that stops early (DraftBlock.checked) reads only the features it walks: every candidate is
+    still read, and the last layer computes only the wanted tokens' outputs."""
+    relay, block = _relay(variant=variant, reader_layers=layers), _block()
+    args = (block.hidden, block.pool_ids, block.pool_logprobs, block.anchor_ids)
+    g, support, g_anchor, table = relay.read(*args)
+    for positions in (1, 3, 5):
+        g_p, support_p, g_anchor_p, table_p = relay.read(*args, positions=positions)
+        assert g_p.shape == (4, positions, 4, 32) and support_p.shape == (4, positions, 4)
+        assert torch.allclose(g_p, g[:, :positions]) and torch.allclose(support_p, support[:, :positions])
+        assert (g_anchor is None and g_anchor_p is None) or torch.allclose(g_anchor_p, g_anchor)
+        assert (table is None and table_p is None) or torch.equal(table_p, table)
+    if layers:  # a later position's candidate still moves the first position's features
+        pool_ids = block.pool_ids.clone()
+        pool_ids[:, -1, 2] = (pool_ids[:, -1, 2] + 1) % V
+        moved = relay.read(block.hidden, pool_ids, block.pool_logprobs, block.anchor_ids, positions=1)[0]
+        assert not torch.allclose(moved, g[:, :1])
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
