@@ -1,7 +1,7 @@
 """Cost of the target on this machine: one forward of t new tokens over a cached context, AR
 decoding speed, and one speculative step's parts, in bf16 and fp32 (fp32 also with
-`drelay.models.cpu_linear`'s opt-in few-row rule in place of plain `F.linear`, row "float32 few-row"). Prints a
-table.
+`drelay.models.cpu_linear`'s few-row rule forced on, row "float32 few-row", and as measured per shape, its
+default, row "float32 auto"; row "float32" is plain `F.linear`). Prints a table.
 
     .venv/bin/python benchmarks/target_forward.py [--target models/target] [--context 300]
 
@@ -23,7 +23,8 @@ from drelay.models import cpu_linear
 from drelay.models.drafter import BlockDrafter
 from drelay.models.target import Target, convert_smollm2_gguf
 
-FEW_ROW = " few-row"  # a dtype suffix: the opt-in few-row linear rule on (products of up to 256 rows)
+FEW_ROW = " few-row"  # a dtype suffix: the few-row linear rule forced on (products of up to 256 rows)
+AUTO = " auto"  # a dtype suffix: the rule where this machine measured it faster (cpu_linear's default)
 
 PROMPTS = [
     "Explain why the sky is blue in a few sentences.",
@@ -60,9 +61,10 @@ def forward_costs(target: Target, context: int, widths, repeats: int) -> dict[in
     return costs
 
 
-def few_row_rule(on: bool) -> None:
-    """The opt-in few-row rule on (up to 256 rows) or off, for every patched model, from now on."""
-    cpu_linear.MAX_ROWS = 256 if on else 0
+def few_row_rule(mode: str) -> None:
+    """The few-row rule forced on (up to 256 rows), measured ("auto") or off, for every model patched from now on."""
+    cpu_linear.AUTO = mode == "auto"
+    cpu_linear.MAX_ROWS = {"on": 256, "auto": cpu_linear.AUTO_MAX_ROWS}.get(mode, 0)
 
 
 def draft_cost(target: Target, context: int, block_size: int, repeats: int) -> float:
@@ -79,7 +81,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--ar-tokens", type=int, default=64)
-    parser.add_argument("--dtypes", default=f"bfloat16,float32,float32{FEW_ROW}")
+    parser.add_argument("--dtypes", default=f"bfloat16,float32,float32{FEW_ROW},float32{AUTO}")
     parser.add_argument("--json", default=None, help="also write the numbers to this file")
     args = parser.parse_args()
     if not Path(args.target, "config.json").is_file():
@@ -87,8 +89,8 @@ def main() -> None:
     widths = (1, 2, 4, 8, 16)
     rows = {}
     for dtype in args.dtypes.split(","):
-        few_row_rule(dtype.endswith(FEW_ROW))  # on while this row is measured
-        target = Target.load(args.target, dtype=dtype.removesuffix(FEW_ROW))
+        few_row_rule("on" if dtype.endswith(FEW_ROW) else "auto" if dtype.endswith(AUTO) else "off")
+        target = Target.load(args.target, dtype=dtype.removesuffix(FEW_ROW).removesuffix(AUTO))
         costs = forward_costs(target, args.context, widths, args.repeats)
         draft = draft_cost(target, args.context, 8, args.repeats)
         tps = []
@@ -96,7 +98,7 @@ def main() -> None:
             ids = target.encode_chat(prompt)
             tps.append(ar_generate(target, ids, args.ar_tokens).stats.tokens_per_s)
         rows[dtype] = {"forward_ms": costs, "draft_ms_B8": draft, "ar_tokens_per_s": statistics.mean(tps)}
-        few_row_rule(False)
+        few_row_rule("off")
 
     print(f"threads={torch.get_num_threads()} context={args.context} repeats={args.repeats}")
     header = "| dtype | " + " | ".join(f"fwd {t} tok (ms)" for t in widths) + \
