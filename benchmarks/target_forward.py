@@ -64,6 +64,7 @@ def forward_costs(target: Target, context: int, widths, repeats: int) -> dict[in
 def few_row_rule(mode: str) -> None:
     """The few-row rule forced on (up to 256 rows), measured ("auto") or off, for every model patched from now on."""
     cpu_linear.AUTO = mode == "auto"
+    cpu_linear._SCOPE["decoding"] = mode == "auto"  # these forwards time what the live decoders run
     cpu_linear.MAX_ROWS = {"on": 256, "auto": cpu_linear.AUTO_MAX_ROWS}.get(mode, 0)
 
 

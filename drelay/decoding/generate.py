@@ -21,6 +21,7 @@ import torch
 from drelay.decoding.verify import rejection_accept, residual_noise, sample_tokens
 from drelay.kernels.ops import kernel_ops
 from drelay.kernels.reference import target_probs
+from drelay.models.cpu_linear import decoding_products
 from drelay.models.drafter import BlockDrafter, DraftContextCache
 from drelay.models.repair import DraftBlock, RepairMethod
 from drelay.models.target import Target
@@ -85,6 +86,7 @@ def _truncate(tokens: list[int], stop_token_ids, limit: int) -> tuple[list[int],
     return tokens[:limit], len(tokens) >= limit
 
 
+@decoding_products()
 def ar_generate(target: Target, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
                 stop_token_ids=(), generator: torch.Generator | None = None) -> GenerationResult:
     """Plain autoregressive decoding of the target alone: the reference every method must match."""
@@ -239,6 +241,7 @@ class SpeculativeDecoder:
         stats.accept_lengths.append(a)
         return StepRecord(draft_tokens, out.logits, a, int(next_token[0]))
 
+    @decoding_products()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_token_ids=()) -> GenerationResult:
         check_context(self.target, len(prompt_ids), max_new_tokens, lookahead=self.block_size)
         stats, stop = GenerationStats(prompt_tokens=len(prompt_ids)), set(stop_token_ids)

@@ -5,18 +5,21 @@ Which order is faster depends on the CPU and its BLAS path, and by a lot: on one
 (2026-12-03) F.linear was as fast for 1 row and faster for the 2-8 rows of a verification; on another of the same
 kind the same day the 49,152 x 576 LM head over 2-3 rows took 26-36 ms with F.linear and 6-7 ms as (W @ x^T)^T,
 and a whole 2-token target forward 119 ms against 44 ms (`benchmarks/target_forward.py`, README "Few-row
-products"). So by default ("auto") each patched linear, the first time it sees a float32 CPU input of r <= 8 rows
-(decode steps, verifications, a block's drafts), times both orders on that weight shape and r rows (a few
+products"). So by default ("auto"), inside the live decoders (`decoding_products`: AR and speculative decoding
+of one sequence), each patched linear, the first time it sees a float32 CPU input of r <= 8 rows (decode steps,
+verifications, a block's drafts), times both orders on that weight shape and r rows (a few
 repeats, on constant inputs, not touching the global RNG) and keeps the faster one (by a 10% margin, else
 F.linear) for the rest of the process: every later forward of that shape and row count uses the same order, so
-speculative and plain decoding see the same arithmetic for the same row count. Products of more rows (training,
-batched generation, replay) keep F.linear. DRELAY_FEW_ROW_LINEAR_MAX_ROWS, read when this module is first
+speculative and plain decoding see the same arithmetic for the same row count. Products of more rows, and all
+products outside the live decoders (training, batched generation and distillation, replay), keep F.linear: what
+the pipeline writes does not depend on this machine's timings. DRELAY_FEW_ROW_LINEAR_MAX_ROWS, read when this module is first
 imported: "auto" (the default), 0 (off: F.linear everywhere; the test suite), or N > 0 (the rule for every
 product of up to N rows, unmeasured). The two orders sum differently: results agree to float rounding.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import types
@@ -34,6 +37,18 @@ try:
 except ValueError:
     raise ValueError(f"DRELAY_FEW_ROW_LINEAR_MAX_ROWS must be 'auto', 0 or a row count, got {_SETTING!r}") from None
 _CHOICE: dict[tuple, bool] = {}  # (rows, out, in, bias, autocast) -> (W @ x^T)^T is faster (auto mode)
+_SCOPE = {"decoding": False}  # inside `decoding_products` (auto mode applies only there)
+
+
+@contextlib.contextmanager
+def decoding_products():
+    """The live decoders run inside this (also as a decorator): there auto mode measures and uses the faster order."""
+    before = _SCOPE["decoding"]
+    _SCOPE["decoding"] = True
+    try:
+        yield
+    finally:
+        _SCOPE["decoding"] = before
 
 
 def _transposed(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -70,7 +85,7 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     if not (0 < rows <= limit and x.device.type == "cpu" and x.dtype == torch.float32
             and weight.dtype == torch.float32):
         return F.linear(x, weight, bias)
-    if AUTO and max_rows is None and not _measured_faster(rows, weight, bias):
+    if AUTO and max_rows is None and not (_SCOPE["decoding"] and _measured_faster(rows, weight, bias)):
         return F.linear(x, weight, bias)
     out = _transposed(x.reshape(rows, x.shape[-1]), weight, bias)
     return out.view(*x.shape[:-1], weight.shape[0])

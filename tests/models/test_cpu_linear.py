@@ -61,24 +61,26 @@ def test_off_by_default_and_target_and_drafter_use_it_when_on(monkeypatch):
         assert routed(model) and all(routed(model))
 
 
-def test_auto_measures_each_shape_and_row_count_once_and_keeps_f_linear_for_many_rows(monkeypatch):
-    """The default ("auto"): the first few-row product of a weight shape times both orders and keeps the faster;
-    the measurement draws nothing from the global RNG; more rows than AUTO_MAX_ROWS never take the rule."""
+def test_auto_measures_each_shape_and_row_count_once_inside_the_decoders_only(monkeypatch):
+    """The default ("auto"): inside the live decoders (`decoding_products`) the first few-row product of a weight
+    shape times both orders and keeps the faster, drawing nothing from the global RNG; outside them, and for more
+    rows than AUTO_MAX_ROWS, F.linear exactly."""
     monkeypatch.setattr(cpu_linear, "AUTO", True)
     monkeypatch.setattr(cpu_linear, "MAX_ROWS", cpu_linear.AUTO_MAX_ROWS)
     monkeypatch.setattr(cpu_linear, "_CHOICE", {})
     weight, bias = torch.randn(96, 40), torch.randn(96)
     x = torch.randn(2, 3, 40)  # 6 rows
+    assert torch.equal(few_row_linear(x, weight, bias), F.linear(x, weight, bias)) and not cpu_linear._CHOICE
     rng = torch.get_rng_state()
-    out = few_row_linear(x, weight, bias)
-    assert torch.equal(torch.get_rng_state(), rng)
-    torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-    assert list(cpu_linear._CHOICE) == [(6, 96, 40, True, False)]
-    chosen = cpu_linear._CHOICE[(6, 96, 40, True, False)]
-    expected = (cpu_linear._transposed(x.reshape(6, 40), weight, bias).view(2, 3, 96) if chosen
-                else F.linear(x, weight, bias))
-    assert torch.equal(few_row_linear(x, weight, bias), expected)  # the kept order, not measured again
-    assert len(cpu_linear._CHOICE) == 1
-    many = torch.randn(cpu_linear.AUTO_MAX_ROWS + 1, 40)
-    assert torch.equal(few_row_linear(many, weight, bias), F.linear(many, weight, bias))
-    assert len(cpu_linear._CHOICE) == 1
+    with cpu_linear.decoding_products():
+        out = few_row_linear(x, weight, bias)
+        assert torch.equal(torch.get_rng_state(), rng)
+        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
+        assert list(cpu_linear._CHOICE) == [(6, 96, 40, True, False)]
+        chosen = cpu_linear._CHOICE[(6, 96, 40, True, False)]
+        expected = (cpu_linear._transposed(x.reshape(6, 40), weight, bias).view(2, 3, 96) if chosen
+                    else F.linear(x, weight, bias))
+        assert torch.equal(few_row_linear(x, weight, bias), expected)  # the kept order, not measured again
+        many = torch.randn(cpu_linear.AUTO_MAX_ROWS + 1, 40)
+        assert torch.equal(few_row_linear(many, weight, bias), F.linear(many, weight, bias))
+    assert len(cpu_linear._CHOICE) == 1 and not cpu_linear._SCOPE["decoding"]
