@@ -7,14 +7,14 @@ kind the same day the 49,152 x 576 LM head over 2-3 rows took 26-36 ms with F.li
 and a whole 2-token target forward 119 ms against 44 ms (`benchmarks/target_forward.py`, README "Few-row
 products"). So by default ("auto"), inside the live decoders (`decoding_products`: AR and speculative decoding
 of one sequence), each patched linear, the first time it sees a float32 CPU input of r <= 8 rows (decode steps,
-verifications, a block's drafts), times both orders on that weight shape and r rows (a few
-repeats, on constant inputs, not touching the global RNG) and keeps the faster one (by a 10% margin, else
-F.linear) for the rest of the process: every later forward of that shape and row count uses the same order, so
-speculative and plain decoding see the same arithmetic for the same row count. Products of more rows, and all
-products outside the live decoders (training, batched generation and distillation, replay), keep F.linear: what
-the pipeline writes does not depend on this machine's timings. DRELAY_FEW_ROW_LINEAR_MAX_ROWS, read when this module is first
-imported: "auto" (the default), 0 (off: F.linear everywhere; the test suite), or N > 0 (the rule for every
-product of up to N rows, unmeasured). The two orders sum differently: results agree to float rounding.
+verifications, a block's drafts), times both orders on that weight shape and r rows (a few repeats, on constant
+inputs, not touching the global RNG) and keeps the faster one (by a 10% margin, else F.linear) for the rest of the
+process: every later forward of that shape and row count uses the same order, so speculative and plain decoding
+see the same arithmetic for the same row count. Products of more rows, and all products outside the live
+decoders (training, batched generation and distillation, replay), keep F.linear: what the pipeline writes does
+not depend on this machine's timings. DRELAY_FEW_ROW_LINEAR_MAX_ROWS, read when this module is first imported:
+"auto" (the default), 0 (off: F.linear everywhere; the test suite), or N > 0 (the rule for every product of up
+to N rows, unmeasured). The two orders sum differently: results agree to float rounding.
 """
 
 from __future__ import annotations
