@@ -16,6 +16,7 @@ from drelay.cli import main as drelay_main
 from drelay.config import load_params
 from drelay.io import folder_fingerprint
 from pipelines.common import REPO_ROOT
+from tests.pipelines.conftest import seeded_mlflow_uri
 
 BENCHES = ("gsm8k", "mbpp")
 
@@ -45,7 +46,7 @@ def workspace(tmp_path_factory):
 def client(tmp_path, monkeypatch):
     from mlflow.tracking import MlflowClient
 
-    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    uri = seeded_mlflow_uri(tmp_path / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return MlflowClient(uri)
 

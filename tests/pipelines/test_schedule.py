@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from pipelines.common import REPO_ROOT
-from tests.pipelines.conftest import stop_group
+from tests.pipelines.conftest import seeded_mlflow_uri, stop_group
 
 pytestmark = pytest.mark.slow
 
@@ -77,7 +77,7 @@ def serving_deployment(schedule_yaml: str, env: dict, tmp_path: Path):
 @pytest.fixture
 def served(tmp_path, prefect_server, subprocess_env):
     env = {**subprocess_env, "PREFECT_API_URL": prefect_server,
-           "MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path / 'mlflow.db'}"}  # the runs' summaries
+           "MLFLOW_TRACKING_URI": seeded_mlflow_uri(tmp_path / "mlflow.db")}  # the runs' summaries
     with serving_deployment('schedule:\n  cron: "0 3 * * 0"\n  timezone: Europe/Paris\n', env, tmp_path) as served:
         yield served
 

@@ -14,6 +14,7 @@ from mlflow.tracking import MlflowClient
 from drelay.config import load_params
 from pipelines.common import REPO_ROOT, write_metrics
 from pipelines.tracking import stage_run
+from tests.pipelines.conftest import seeded_mlflow_uri
 
 # MLflow 3.17 itself trips a SQLAlchemy deprecation when it opens a sqlite store.
 pytestmark = pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated")
@@ -27,7 +28,7 @@ def store_dir(tmp_path_factory):
 
 @pytest.fixture
 def store(store_dir, monkeypatch) -> str:
-    uri = f"sqlite:///{store_dir / 'mlflow.db'}"
+    uri = seeded_mlflow_uri(store_dir / "mlflow.db")
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     return uri
 
