@@ -78,8 +78,9 @@ def tiny_target() -> Target:
 # smoke pipeline takes one worker from the start, the other works down the long files, and the short ones fill
 # both at the end.
 LONG_FIRST = ("tests/pipelines/test_dvc_pipeline.py", "tests/decoding/test_generate.py", "tests/test_cli.py",
-              "tests/training/test_distributed.py", "tests/training/test_joint.py", "tests/pipelines/test_schedule.py",
-              "tests/test_dvc_deps.py", "tests/training/test_distill.py", "tests/pipelines/test_registry.py")
+              "tests/training/test_distributed.py", "tests/pipelines/test_resume.py", "tests/training/test_joint.py",
+              "tests/pipelines/test_schedule.py", "tests/test_dvc_deps.py", "tests/training/test_distill.py",
+              "tests/pipelines/test_registry.py")
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -1,7 +1,7 @@
 """The whole pipeline for real: `dvc repro` of the smoke profile in a temporary copy of the repo,
-the MLflow sqlite store read back, reruns, stage errors, and kill-then-resume of distill/train.
-The stages report to one Prefect server for the module (PREFECT_API_URL), except the killed
-distill, which starts its own, as a stage does by default, and must take it down when killed."""
+the MLflow sqlite store read back, reruns, the scheduled retrain, the ablation and stage errors on
+it. The stages report to one Prefect server for the module (PREFECT_API_URL). Kill-then-resume of
+distill/train: tests/pipelines/test_resume.py (its own inputs, so the other xdist worker runs it)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
 from pipelines.common import REPO_ROOT
-from tests.pipelines.conftest import stop_group
+from tests.pipelines.conftest import seeded_mlflow_uri, stop_group
 
 HEADS = ("dflash2", "domino", "dspark")
 STAGES = ("prepare_target", "prepare_data", "distill", "train_dflash", "train@dflash", "train@drelay",
@@ -92,7 +90,7 @@ def smoke_repo(tmp_path_factory, mirror):
 @pytest.fixture
 def env(subprocess_env, tmp_path_factory, prefect_server):
     """Stage processes' environment: the module's MLflow store and Prefect server."""
-    uri = f"sqlite:///{tmp_path_factory.getbasetemp() / 'mlflow.db'}"
+    uri = seeded_mlflow_uri(tmp_path_factory.getbasetemp() / "mlflow.db")
     return {**subprocess_env, "MLFLOW_TRACKING_URI": uri, "PREFECT_API_URL": prefect_server}
 
 
@@ -165,7 +163,8 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     dflash, drelay = (json.loads((repo / f"metrics/joint_{m}.json").read_text()) for m in ("dflash", "drelay"))
     assert dflash["steps"] == drelay["steps"] == 12 and dflash["start_native_tau"] == drelay["start_native_tau"]
     relay_config = json.loads((repo / "models/joint/drelay/relay/config.json").read_text())
-    assert relay_config["repair_margin"] == drelay["repair_margin"] and f"{drelay['repair_margin']:g}" in drelay["tune_taus"]
+    assert relay_config["repair_margin"] == drelay["repair_margin"]
+    assert f"{drelay['repair_margin']:g}" in drelay["tune_taus"]
     logged = set(runs["train@drelay"][0].data.metrics)
     terms = ("loss", "ce", "support", "hinge", "reader_bce", "repair")
     assert {f"{split}_{t}" for split in ("train", "val") for t in terms} <= logged
@@ -306,11 +305,6 @@ def _check_evaluation(repo: Path, run) -> None:
     assert logged["T1/gsm8k/dspark/speedup"] == pytest.approx(tables["T1"]["gsm8k"]["dspark"]["speedup"], rel=1e-5)
 
 
-def _stage(repo: Path, env: dict, stage: str, *args: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", f"pipelines.{stage}", *args], cwd=repo, env=env,
-                          capture_output=True, text=True, timeout=600, **kw)
-
-
 # Params keys the error checks override, in one place (params sections are being restructured).
 JOINT_OUT_DIR, JOINT_METHODS = "joint.common.out_dir", "joint.methods"
 
@@ -365,91 +359,3 @@ def test_bad_key_and_missing_inputs_are_clear_errors(smoke_repo, env, tmp_path, 
                       "--set", f"data.out_dir={tmp_path / 'unprepared'}")
     assert code == 2 and str(tmp_path / "unprepared" / "benchmarks" / "gsm8k") in err
     assert "the prepare_data stage writes it" in err and err.startswith("error: ")
-
-
-def _kill_when(proc: subprocess.Popen, ready, timeout: float = 300) -> None:
-    """SIGKILL the stage process alone (not its group: what it started must go down on its own)
-    as soon as `ready()`."""
-    deadline = time.monotonic() + timeout
-    while not ready():
-        assert proc.poll() is None, "the stage finished before it could be killed"
-        assert time.monotonic() < deadline, "timed out waiting to kill the stage"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-
-
-def _own_servers(proc: subprocess.Popen) -> list[psutil.Process]:
-    """The Prefect server(s) a stage process started (children of it running `prefect server ...`)."""
-    try:
-        return [p for p in psutil.Process(proc.pid).children() if "server" in p.cmdline()]
-    except psutil.Error:  # exited meanwhile
-        return []
-
-
-def test_killed_distill_and_train_resume_without_redoing_finished_work(smoke_repo, env, tmp_path):
-    """Killed as soon as the first shard / checkpoint exists, then rerun: finished work is reused. Both
-    distill runs have no PREFECT_API_URL, so each runs on a Prefect server of its own, as a stage does
-    by default: it must go down with the killed stage, and be stopped by the one that finishes."""
-    repo = smoke_repo
-    distill_args = ["--set", "distill.out_dir=data/distill_kill", "--set", "distill.shard_size=2",
-                    "--set", "distill.batch_size=2", "--set", "distill.max_new_tokens=8"]
-    shards = repo / "data/distill_kill"
-    own_server_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
-
-    def start_distill(stderr) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "pipelines.distill", *distill_args], cwd=repo,
-                                env=own_server_env, stdout=subprocess.DEVNULL, stderr=stderr,
-                                start_new_session=True)
-
-    proc = start_distill(subprocess.DEVNULL)
-    servers: list[psutil.Process] = []
-    try:
-        def first_shard() -> bool:
-            servers[:] = servers or _own_servers(proc)
-            return (shards / "shard_00000.safetensors").is_file()
-
-        _kill_when(proc, first_shard)
-        assert len(servers) == 1  # the stage's own Prefect server, running until the kill
-        _, alive = psutil.wait_procs(servers, timeout=30)
-        assert not alive, f"the killed stage's Prefect server is still running: {alive}"
-    finally:
-        stop_group(proc, first=signal.SIGKILL)
-    done = sorted(p.name for p in shards.glob("shard_*.safetensors"))
-    stamps = {name: (shards / name).stat().st_mtime_ns for name in done}
-    assert done and not (shards / "manifest.json").exists()
-
-    log = tmp_path / "distill.log"
-    with open(log, "w") as stderr:
-        proc = start_distill(stderr)
-    servers = []
-    try:
-        deadline = time.monotonic() + 600
-        while proc.poll() is None and time.monotonic() < deadline:
-            servers = servers or _own_servers(proc)
-            time.sleep(0.1)
-        assert proc.poll() == 0, log.read_text()[-2000:]
-    finally:
-        stop_group(proc, first=signal.SIGKILL)
-    assert len(servers) == 1 and not servers[0].is_running()  # stopped when the flow returned
-    metrics = json.loads((repo / "metrics/distill.json").read_text())
-    assert metrics["shards_reused"] == len(done) and metrics["sequences"] == metrics["prompts"]
-    assert metrics["prompts"] > 2 * len(done)  # the kill left work to do
-    assert all((shards / name).stat().st_mtime_ns == stamp for name, stamp in stamps.items())
-
-    # A short run (few blocks a step), checkpointed every 2 steps, killed at the first checkpoint.
-    train_args = ["--set", "train.max_steps=24", "--set", "train.checkpoint_every=2", "--set", "train.eval_every=100",
-                  "--set", "train.blocks_per_step=4", "--set", "train.checkpoint_dir=checkpoints/kill",
-                  "--set", "train.out_dir=models/drafter_kill"]
-    ckpt = repo / "checkpoints/kill/last.pt"
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.train_dflash", *train_args], cwd=repo, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    try:
-        _kill_when(proc, lambda: ckpt.is_file())
-    finally:
-        stop_group(proc, first=signal.SIGKILL)
-    out = _stage(repo, env, "train_dflash", *train_args)
-    assert out.returncode == 0, out.stderr[-2000:]
-    metrics = json.loads((repo / "metrics/train_dflash.json").read_text())
-    assert 2 <= metrics["resumed_from_step"] < 24 and metrics["steps"] == 24
-    assert (repo / "models/drafter_kill/model.safetensors").is_file()
