@@ -72,14 +72,14 @@ def tiny_target() -> Target:
     return make_tiny_target()
 
 
-# The files that take most of the suite's time, longest first (a fresh-clone run on 2 cores, 2026-12-02: the smoke
-# `dvc repro` file ~890 s of test time, the others 50-170 s; all the rest ~300 s). `make test` runs two
+# The files that take most of the suite's time, longest first (a run on 2 cores, 2026-12-03: the smoke `dvc repro`
+# file ~430 s of test time, kill-and-resume ~80 s, the other long ones 20-60 s). `make test` runs two
 # pytest-xdist workers with --dist loadfile --no-loadscope-reorder, which hands out files in this order: the
 # smoke pipeline takes one worker from the start, the other works down the long files, and the short ones fill
 # both at the end.
 LONG_FIRST = ("tests/pipelines/test_dvc_pipeline.py", "tests/decoding/test_generate.py", "tests/test_cli.py",
               "tests/training/test_distributed.py", "tests/pipelines/test_resume.py", "tests/training/test_joint.py",
-              "tests/pipelines/test_schedule.py", "tests/test_dvc_deps.py", "tests/training/test_distill.py",
+              "tests/test_dvc_deps.py", "tests/training/test_distill.py",
               "tests/pipelines/test_registry.py")
 
 

@@ -190,24 +190,26 @@ def test_repro_logs_every_stage_and_reruns_only_what_changed(smoke_repo, env):
     # (tests/eval/test_run.py): re-running stages here would only repeat them at minutes' cost.
 
 
-def _trigger_retrain(env: dict, workdirs: list[Path], tmp_path: Path) -> list[dict]:
-    """Serve the retrain deployment (`python -m pipelines.schedule`, what `make schedule` runs) and trigger one
-    run per workdir through Prefect, one after the other; each run's {"state", "logs"}."""
+def _trigger_retrain(env: dict, workdirs: list[Path], tmp_path: Path) -> dict:
+    """Serve the retrain deployment (`python -m pipelines.schedule`, what `make schedule` runs, on a schedule with a
+    time zone) and trigger one run per workdir through Prefect, one after the other: {"schedules": the served
+    deployment's [cron, timezone], "runs": each run's {"state", "logs"}}."""
     from tests.pipelines.test_schedule import TRIGGER, serving_deployment
 
-    with serving_deployment('schedule:\n  cron: "0 3 * * 0"\n', env, tmp_path) as (served_env, log):
+    schedule = 'schedule:\n  cron: "0 3 * * 0"\n  timezone: Europe/Paris\n'
+    with serving_deployment(schedule, env, tmp_path) as (served_env, log):
         done = subprocess.run([sys.executable, "-c", TRIGGER.replace("timeout=120", "timeout=600"),
                                *map(str, workdirs)], env=served_env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:] + log.read_text()[-3000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])["runs"]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _retrain_summaries(uri: str) -> list[dict]:
+def _retrain_summaries(uri: str, experiment: str = "drelay-smoke") -> list[dict]:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=uri)
-    experiment = client.get_experiment_by_name("drelay-smoke")
-    runs = client.search_runs([experiment.experiment_id], "tags.stage = 'retrain'", order_by=["attributes.start_time"])
+    found = client.get_experiment_by_name(experiment)
+    runs = client.search_runs([found.experiment_id], "tags.stage = 'retrain'", order_by=["attributes.start_time"])
     out = []
     for run in runs:
         path = client.download_artifacts(run.info.run_id, "retrain_summary.json")
@@ -218,8 +220,12 @@ def _retrain_summaries(uri: str) -> list[dict]:
 def test_scheduled_retrain_gates_the_champion_and_a_failed_run_leaves_it(smoke_repo, env, tmp_path):
     """A real scheduled run on the reproduced smoke profile: the pipeline is up to date, the register stage's
     versions exist, the gate makes the first DRelay version the champion; then a run whose pipeline fails
-    (a bad params key) leaves the champion where it was, and both runs' summaries are in MLflow."""
+    (a bad params key) leaves the champion where it was, and both runs' summaries are in MLflow. The same served
+    deployment then runs a DVC project without a register stage (no gate, dvc's output in the run log) and a
+    folder that is no DVC project (the run fails)."""
     from mlflow.tracking import MlflowClient
+
+    from tests.pipelines.test_schedule import dvc_project
 
     repo, uri = smoke_repo, env["MLFLOW_TRACKING_URI"]
     client = MlflowClient(tracking_uri=uri)
@@ -232,7 +238,11 @@ def test_scheduled_retrain_gates_the_champion_and_a_failed_run_leaves_it(smoke_r
     broken = tmp_path / "broken"
     shutil.copytree(repo, broken, symlinks=True)
     _set_params(broken, {"joint.common.no_such_key": 1})
-    good, bad = _trigger_retrain(env, [repo, broken], tmp_path)
+    project, not_dvc = dvc_project(tmp_path / "project", env), tmp_path / "not_dvc"
+    not_dvc.mkdir()
+    result = _trigger_retrain(env, [repo, broken, project, not_dvc], tmp_path)
+    assert result["schedules"] == [["0 3 * * 0", "Europe/Paris"]]
+    good, bad, plain, outside = result["runs"]
     assert good["state"] == "COMPLETED", good["logs"][-30:]
     assert bad["state"] == "FAILED" and any("no_such_key" in m for m in bad["logs"]), bad["logs"][-30:]
     champion = client.get_model_version_by_alias("drelay-smoke-drelay", "champion")
@@ -243,6 +253,17 @@ def test_scheduled_retrain_gates_the_champion_and_a_failed_run_leaves_it(smoke_r
     assert failed["pipeline"] == "failed" and failed["status"] == "FAILED" and failed["champion"] == 1
     assert "no_such_key" in failed["error"] and failed["tags"]["gate"] == "not run"
     assert len(client.search_model_versions("name = 'drelay-smoke-drelay'")) == 1
+
+    assert plain["state"] == "COMPLETED", plain["logs"][-30:]
+    assert (project / "out.txt").read_text() == "ok" and f"running dvc repro in {project}" in plain["logs"]
+    assert "Running stage 'hello':" in plain["logs"]  # dvc's own output, streamed into the run log
+    assert outside["state"] == "FAILED"  # dvc repro outside a DVC repo exits non-zero
+    assert any("dvc repro exited with code" in m for m in outside["logs"])
+    # no params file in either: the default profile's experiment; no register stage, so the gate does not run
+    elsewhere = _retrain_summaries(uri, "drelay-default")
+    assert [(r["tags"]["pipeline"], r["tags"]["gate"], r["status"]) for r in elsewhere] == [
+        ("succeeded", "not run", "FINISHED"), ("failed", "not run", "FAILED")]
+    assert elsewhere[0]["gate_skipped"].startswith("the pipeline has no register stage")
 
 
 def test_the_ablation_trains_each_variant_once_and_writes_its_table(smoke_repo, env, in_process_stage, monkeypatch):
