@@ -25,7 +25,7 @@ BIN = Path(sys.executable).parent
 def _migrated_prefect_db() -> Path:
     """A Prefect database with every migration applied, made once per test run for both xdist workers (a
     file lock) under DRELAY_CACHE (tests/conftest.py), keyed by Prefect's version. A server on an empty
-    home migrates first: ~15 s to healthy here instead of ~4 s, and the suite starts a dozen of them."""
+    home migrates first: ~15 s to healthy here instead of ~4 s, and the suite starts several."""
     import filelock
     import prefect
 
