@@ -22,56 +22,57 @@ from pipelines.common import REPO_ROOT
 BIN = Path(sys.executable).parent
 
 
-def _migrated_prefect_db() -> Path:
-    """A Prefect database with every migration applied, made once per test run for both xdist workers (a
-    file lock) under DRELAY_CACHE (tests/conftest.py), keyed by Prefect's version. A server on an empty
-    home migrates first: ~15 s to healthy here instead of ~4 s, and the suite starts several."""
+def _template(name: str, version: str, filename: str, make) -> Path:
+    """An empty, migrated store `filename` made once per test run by `make(folder)` (which writes folder/filename),
+    kept under DRELAY_CACHE (tests/conftest.py) keyed by the library's version; a file lock makes it once for both
+    xdist workers. Prefect and MLflow migrate an empty store on first use: a Prefect server on an empty home takes
+    ~15 s to answer here instead of ~4 s, a new MLflow sqlite store ~2-5 s, and the suite makes several of each."""
     import filelock
-    import prefect
 
-    cache = Path(os.environ["DRELAY_CACHE"]) / f"prefect-db-{prefect.__version__}"
-    db = cache / "prefect.db"
+    cache = Path(os.environ["DRELAY_CACHE"]) / f"{name}-{version}"
+    path = cache / filename
     cache.mkdir(parents=True, exist_ok=True)
     with filelock.FileLock(str(cache / ".lock")):
-        if not db.is_file():
+        if not path.is_file():
             work = cache / "migrating"
-            work.mkdir(exist_ok=True)
-            env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
-                   "PREFECT_HOME": str(work), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-            subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=env, check=True,
-                           capture_output=True, timeout=300)
-            os.replace(work / "prefect.db", db)
-    return db
+            shutil.rmtree(work, ignore_errors=True)
+            work.mkdir()
+            make(work)
+            os.replace(work / filename, path)
+    return path
+
+
+def _prefect_db(folder: Path) -> None:
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")},
+           "PREFECT_HOME": str(folder), "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    subprocess.run([str(BIN / "prefect"), "server", "database", "upgrade", "-y"], env=env, check=True,
+                   capture_output=True, timeout=300)
+
+
+def _mlflow_db(folder: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(f"sqlite:///{folder / 'mlflow.db'}").search_experiments()  # creates and migrates it
 
 
 def seeded_mlflow_uri(db: Path) -> str:
-    """`sqlite:///<db>`, the file a copy of an empty, migrated MLflow store unless it exists (made once per
-    test run like the Prefect one: MLflow migrates a new sqlite store on first use, ~2-5 s here)."""
+    """`sqlite:///<db>`, the file a copy of an empty, migrated MLflow store unless it exists."""
     if not db.exists():
-        import filelock
         import mlflow
 
-        template = Path(os.environ["DRELAY_CACHE"]) / f"mlflow-db-{mlflow.__version__}" / "mlflow.db"
-        template.parent.mkdir(parents=True, exist_ok=True)
-        with filelock.FileLock(str(template.parent / ".lock")):
-            if not template.is_file():
-                work = template.with_name("migrating.db")
-                work.unlink(missing_ok=True)
-                from mlflow.tracking import MlflowClient
-
-                MlflowClient(f"sqlite:///{work}").search_experiments()  # creates and migrates it
-                os.replace(work, template)
         db.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(template, db)
+        shutil.copyfile(_template("mlflow-db", mlflow.__version__, "mlflow.db", _mlflow_db), db)
     return f"sqlite:///{db}"
 
 
 def seeded_prefect_home(home: Path) -> Path:
-    """`home` made, with a copy of the migrated database unless it has one: the real server, store and
-    migrations (the copy is what they wrote), without each test waiting for them."""
+    """`home` made, with a copy of an empty, migrated Prefect database unless it has one: the real server, store
+    and migrations (the copy is what they wrote), without each test waiting for them."""
     home.mkdir(parents=True, exist_ok=True)
     if not (home / "prefect.db").exists():
-        shutil.copyfile(_migrated_prefect_db(), home / "prefect.db")
+        import prefect
+
+        shutil.copyfile(_template("prefect-db", prefect.__version__, "prefect.db", _prefect_db), home / "prefect.db")
     return home
 
 
