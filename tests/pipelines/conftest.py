@@ -39,6 +39,7 @@ def _template(name: str, version: str, filename: str, make) -> Path:
             work.mkdir()
             make(work)
             os.replace(work / filename, path)
+            shutil.rmtree(work, ignore_errors=True)
     return path
 
 
