@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO))
 
 from drelay.decoding.generate import SpeculativeDecoder, ar_generate  # noqa: E402
 from drelay.io import read_jsonl  # noqa: E402
+from drelay.models import cpu_linear  # noqa: E402
 from drelay.models.methods import load_speculator  # noqa: E402
 from workspace import load_workspace  # noqa: E402
 
@@ -79,7 +80,9 @@ def main() -> None:
 
     ar_ms = 1000 * ar_s / max(ar_tokens, 1)
     print(f"\nAR: {ar_ms:.1f} ms per token; verify size {verify}; {len(prompts)} validation prompts, "
-          f"{args.max_new_tokens} new tokens\n")
+          f"{args.max_new_tokens} new tokens; few-row products: {cpu_linear.MODE}\n")
+    for rows, t in cpu_linear.measured_orders().items():  # auto: the whole forwards timed before decoding
+        print(f"  {rows} rows: F.linear {t['linear']:.1f} ms, (W @ x^T)^T {t['transposed']:.1f} ms -> {t['kept']}")
     print("| method | walk | draft ms | repair ms | verify ms | step ms | repair share | tokens per step |")
     print("|---|---|---|---|---|---|---|---|")
     rows = {}

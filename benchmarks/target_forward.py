@@ -1,7 +1,7 @@
 """Cost of the target on this machine: one forward of t new tokens over a cached context, AR
 decoding speed, and one speculative step's parts, in bf16 and fp32 (fp32 also with
-`drelay.models.cpu_linear`'s few-row rule forced on, row "float32 few-row", and as measured per shape, its
-default, row "float32 auto"; row "float32" is plain `F.linear`). Prints a table.
+`drelay.models.cpu_linear`'s few-row rule forced on, row "float32 few-row", and per row count as measured on whole
+forwards, its default, row "float32 auto", with the measured times; row "float32" is plain `F.linear`). Prints tables.
 
     .venv/bin/python benchmarks/target_forward.py [--target models/target] [--context 300]
 
@@ -66,6 +66,7 @@ def few_row_rule(mode: str) -> None:
     cpu_linear.AUTO = mode == "auto"
     cpu_linear._SCOPE["decoding"] = mode == "auto"  # these forwards time what the live decoders run
     cpu_linear.MAX_ROWS = {"on": 256, "auto": cpu_linear.AUTO_MAX_ROWS}.get(mode, 0)
+    cpu_linear.ROW_CHOICE.clear()  # auto: measured again on the next target
 
 
 def draft_cost(target: Target, context: int, block_size: int, repeats: int) -> float:
@@ -92,13 +93,16 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         few_row_rule("on" if dtype.endswith(FEW_ROW) else "auto" if dtype.endswith(AUTO) else "off")
         target = Target.load(args.target, dtype=dtype.removesuffix(FEW_ROW).removesuffix(AUTO))
+        target.measure_few_row_orders()  # auto only (a no-op otherwise), as the live decoders do first
+        measured = {r: dict(t) for r, t in cpu_linear.ROW_TIMES.items()} if dtype.endswith(AUTO) else {}
         costs = forward_costs(target, args.context, widths, args.repeats)
         draft = draft_cost(target, args.context, 8, args.repeats)
         tps = []
         for prompt in PROMPTS:
             ids = target.encode_chat(prompt)
             tps.append(ar_generate(target, ids, args.ar_tokens).stats.tokens_per_s)
-        rows[dtype] = {"forward_ms": costs, "draft_ms_B8": draft, "ar_tokens_per_s": statistics.mean(tps)}
+        rows[dtype] = {"forward_ms": costs, "draft_ms_B8": draft, "ar_tokens_per_s": statistics.mean(tps),
+                       **({"auto_forward_ms": measured} if measured else {})}
         few_row_rule("off")
 
     print(f"threads={torch.get_num_threads()} context={args.context} repeats={args.repeats}")
@@ -110,6 +114,13 @@ def main() -> None:
         f = r["forward_ms"]
         print(f"| {dtype} | " + " | ".join(f"{f[t]:.1f}" for t in widths) +
               f" | {f[8] / f[1]:.2f} | {r['draft_ms_B8']:.1f} | {r['ar_tokens_per_s']:.1f} |")
+    for dtype, r in rows.items():
+        if "auto_forward_ms" in r:
+            print(f"\n{dtype}: whole forwards per order as measured before choosing (ms, median)")
+            print("| rows | F.linear | (W @ x^T)^T | kept |\n|---|---|---|---|")
+            for n, t in r["auto_forward_ms"].items():
+                kept = "(W @ x^T)^T" if t["transposed"] < cpu_linear.AUTO_MARGIN * t["linear"] else "F.linear"
+                print(f"| {n} | {t['linear']:.1f} | {t['transposed']:.1f} | {kept} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 

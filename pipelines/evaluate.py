@@ -24,6 +24,7 @@ from tqdm import tqdm  # noqa: E402
 from drelay.config import ConfigError, load_params  # noqa: E402
 from drelay.eval.report import markdown, plot_acceptance, plot_repair, plot_tau  # noqa: E402
 from drelay.eval.run import AR, load_methods, nonfinite, run_grid  # noqa: E402
+from drelay.models import cpu_linear  # noqa: E402
 from drelay.models.methods import method_class  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
@@ -98,6 +99,8 @@ def evaluate_flow(params_path: str = "params.yaml", overrides: list[str] | None 
                    "paired": {t: {other: {b: p.as_dict() for b, p in rows.items()} for other, rows in per.items()}
                               for t, per in result.paired.items()},
                    "wall_s": time.perf_counter() - start}
+        if cpu_linear.measured_orders():  # the live cells' few-row product orders, as measured in this process
+            metrics["few_row_orders"] = cpu_linear.measured_orders()
         tracker.log_metrics({k: metrics[k] for k in ("cells_computed", "cells_reused", "wall_s",
                                                       *(f"{phase}_s" for phase in result.seconds))})
         write_metrics("eval", metrics)

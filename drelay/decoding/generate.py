@@ -91,6 +91,7 @@ def ar_generate(target: Target, prompt_ids: list[int], max_new_tokens: int, temp
                 stop_token_ids=(), generator: torch.Generator | None = None) -> GenerationResult:
     """Plain autoregressive decoding of the target alone: the reference every method must match."""
     check_context(target, len(prompt_ids), max_new_tokens)
+    target.measure_few_row_orders()  # once per process, before the timer (cpu_linear.py's auto mode)
     stats, stop = GenerationStats(prompt_tokens=len(prompt_ids)), set(stop_token_ids)
     start = time.perf_counter()
     cache = target.new_cache()
@@ -244,6 +245,7 @@ class SpeculativeDecoder:
     @decoding_products()
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_token_ids=()) -> GenerationResult:
         check_context(self.target, len(prompt_ids), max_new_tokens, lookahead=self.block_size)
+        self.target.measure_few_row_orders()  # once per process, before the timer (cpu_linear.py's auto mode)
         stats, stop = GenerationStats(prompt_tokens=len(prompt_ids)), set(stop_token_ids)
         start = time.perf_counter()
         state = self.start(prompt_ids, stats)

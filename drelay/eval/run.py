@@ -40,6 +40,7 @@ from drelay.eval.live import live_prompt, predicted_speedup, summarize_live
 from drelay.eval.paired import Paired, paired_bootstrap
 from drelay.eval.replay_eval import grouped_continuations, replay_methods
 from drelay.io import json_digest
+from drelay.models import cpu_linear
 from drelay.models.methods import Speculator, load_speculator
 from drelay.models.target import Target
 
@@ -337,7 +338,7 @@ def _live_cells(target: Target, methods: dict[str, Speculator], trained: list[st
         ids = seq.tokens[: seq.prompt_len].tolist()
         stamp = {**base, "prompt": json_digest(ids),
                  "live_max_new_tokens": cfg.live_max_new_tokens, "sampling_rule": sampling_rule,
-                 "methods": {m: methods[m].fingerprint for m in live_names}}
+                 "methods": {m: methods[m].fingerprint for m in live_names}, "few_row": cpu_linear.MODE}
         key = f"{tkey}/{bench}/live_{i:03d}"
         record = store.get(key, stamp)
         if record is None:

@@ -23,7 +23,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from drelay.models.cache import growable_cache
-from drelay.models.cpu_linear import use_few_row_linear
+from drelay.models.cpu_linear import choose_by_forwards, needs_measuring, use_few_row_linear
 
 DTYPES = {
     "float32": torch.float32,
@@ -180,6 +180,23 @@ class Target:
         features = torch.cat(self._captured, dim=-1) if capture and self._captured else None
         self._captured.clear()
         return TargetOutput(logits=out.logits, features=features)
+
+    def measure_few_row_orders(self, context: int = 256) -> None:
+        """Auto few-row mode (cpu_linear.py): choose each row count's product order by timing whole forwards of
+        this target over a `context`-token cache, once per process; a no-op when chosen already, when the rule
+        is off and for targets that are not float32 on CPU. The live decoders call it before their timer starts."""
+        if not needs_measuring() or self.device.type != "cpu" or self.dtype != torch.float32:
+            return
+        context = max(1, min(context, self.max_positions - 16))
+        ids = (torch.arange(context, device=self.device) * 7919 + 13) % self.vocab_size  # fixed ids: no RNG
+        cache = self.new_cache()
+        self.forward(ids[None], cache, logits_to_keep=1)
+
+        def forward(rows: int) -> None:
+            self.forward(ids[None, :rows], cache, position_ids=context + torch.arange(rows, device=self.device)[None])
+            self.crop(cache, rows)
+
+        choose_by_forwards(forward)
 
     @staticmethod
     def crop(cache: DynamicCache, num_remove: int) -> None:

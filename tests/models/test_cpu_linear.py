@@ -61,26 +61,69 @@ def test_off_by_default_and_target_and_drafter_use_it_when_on(monkeypatch):
         assert routed(model) and all(routed(model))
 
 
-def test_auto_measures_each_shape_and_row_count_once_inside_the_decoders_only(monkeypatch):
-    """The default ("auto"): inside the live decoders (`decoding_products`) the first few-row product of a weight
-    shape times both orders and keeps the faster, drawing nothing from the global RNG; outside them, and for more
-    rows than AUTO_MAX_ROWS, F.linear exactly."""
+def _auto(monkeypatch) -> None:
     monkeypatch.setattr(cpu_linear, "AUTO", True)
     monkeypatch.setattr(cpu_linear, "MAX_ROWS", cpu_linear.AUTO_MAX_ROWS)
-    monkeypatch.setattr(cpu_linear, "_CHOICE", {})
+    monkeypatch.setattr(cpu_linear, "ROW_CHOICE", {})
+    monkeypatch.setattr(cpu_linear, "ROW_TIMES", {})
+
+
+def test_auto_uses_the_order_chosen_per_row_count_inside_the_decoders_only(monkeypatch):
+    """The default ("auto"): inside the live decoders (`decoding_products`) a product of r rows takes the order
+    kept for r; outside them, for unmeasured row counts and for more rows than AUTO_MAX_ROWS, F.linear exactly."""
+    _auto(monkeypatch)
     weight, bias = torch.randn(96, 40), torch.randn(96)
-    x = torch.randn(2, 3, 40)  # 6 rows
-    assert torch.equal(few_row_linear(x, weight, bias), F.linear(x, weight, bias)) and not cpu_linear._CHOICE
-    rng = torch.get_rng_state()
+    x, one = torch.randn(2, 3, 40), torch.randn(1, 40)  # 6 rows, 1 row
+    cpu_linear.ROW_CHOICE.update({6: True, 1: False})
+    transposed = cpu_linear._transposed(x.reshape(6, 40), weight, bias).view(2, 3, 96)
+    assert not torch.equal(transposed, F.linear(x, weight, bias))  # the orders differ in rounding: told apart
+    assert torch.equal(few_row_linear(x, weight, bias), F.linear(x, weight, bias))  # outside the decoders
     with cpu_linear.decoding_products():
-        out = few_row_linear(x, weight, bias)
-        assert torch.equal(torch.get_rng_state(), rng)
-        torch.testing.assert_close(out, F.linear(x, weight, bias), rtol=1e-5, atol=1e-5)
-        assert list(cpu_linear._CHOICE) == [(6, 96, 40, True, False)]
-        chosen = cpu_linear._CHOICE[(6, 96, 40, True, False)]
-        expected = (cpu_linear._transposed(x.reshape(6, 40), weight, bias).view(2, 3, 96) if chosen
-                    else F.linear(x, weight, bias))
-        assert torch.equal(few_row_linear(x, weight, bias), expected)  # the kept order, not measured again
+        assert torch.equal(few_row_linear(x, weight, bias), transposed)
+        assert torch.equal(few_row_linear(one, weight, bias), F.linear(one, weight, bias))
+        two = torch.randn(2, 40)  # not measured
+        assert torch.equal(few_row_linear(two, weight, bias), F.linear(two, weight, bias))
         many = torch.randn(cpu_linear.AUTO_MAX_ROWS + 1, 40)
         assert torch.equal(few_row_linear(many, weight, bias), F.linear(many, weight, bias))
-    assert len(cpu_linear._CHOICE) == 1 and not cpu_linear._SCOPE["decoding"]
+    assert not cpu_linear._SCOPE["decoding"]
+
+
+def test_auto_measures_whole_forwards_once_per_process_before_the_decoders_time(monkeypatch):
+    """The live decoders have the target time whole forwards of 1..AUTO_MAX_ROWS new tokens in both orders, once,
+    before their timer starts, drawing nothing from the global RNG; a bf16 target is not measured."""
+    from drelay.decoding.generate import ar_generate
+    from tests.conftest import make_tiny_target
+
+    _auto(monkeypatch)
+    bf16 = make_tiny_target(dtype=torch.bfloat16)
+    bf16.measure_few_row_orders()
+    assert cpu_linear.needs_measuring() and not cpu_linear.ROW_TIMES
+    target = make_tiny_target(dtype=torch.float32)
+    rng = torch.get_rng_state()
+    seen = []
+    real_forward = target.forward
+
+    def counting_forward(ids, *args, **kwargs):
+        seen.append(ids.shape[1])
+        return real_forward(ids, *args, **kwargs)
+
+    monkeypatch.setattr(target, "forward", counting_forward)
+    transposed, real_transposed = [], cpu_linear._transposed
+    monkeypatch.setattr(cpu_linear, "_transposed", lambda *a: transposed.append(1) or real_transposed(*a))
+    target.measure_few_row_orders(context=32)
+    assert torch.equal(torch.get_rng_state(), rng)
+    rows = list(range(1, cpu_linear.AUTO_MAX_ROWS + 1))
+    assert sorted(cpu_linear.ROW_CHOICE) == rows and sorted(cpu_linear.ROW_TIMES) == rows
+    for r, t in cpu_linear.ROW_TIMES.items():
+        assert cpu_linear.ROW_CHOICE[r] == (t["transposed"] < cpu_linear.AUTO_MARGIN * t["linear"])
+        assert min(t.values()) > 0
+    # one 32-token prefill, then per row count a warm-up and 3 timed rounds of both orders
+    assert seen == [32] + [r for r in rows for _ in range(2 * 4)]
+    linears = sum(type(m) is nn.Linear for m in target.model.modules())
+    assert len(transposed) == linears * 4 * len(rows)  # every product of the forced rounds, none of the others
+    assert not cpu_linear.needs_measuring()
+    target.measure_few_row_orders(context=32)  # chosen already: nothing runs
+    assert len(seen) == 1 + 2 * 4 * len(rows) and cpu_linear._SCOPE == {"decoding": False, "force": None}
+    _auto(monkeypatch)  # the decoders measure first
+    assert len(ar_generate(make_tiny_target(dtype=torch.float32), [1, 5, 7], 4).tokens) == 4
+    assert sorted(cpu_linear.ROW_CHOICE) == rows
