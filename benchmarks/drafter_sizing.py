@@ -50,7 +50,8 @@ def train_variant(name: str, params_path: str, overrides: list[str]) -> dict:
             blocks_per_s = metrics.get("blocks_per_s") or 0.0  # training only: the evaluations excluded
             curve.append({"step": step, "minutes": (time.perf_counter() - start) / 60,
                           "train_minutes": step * cfg.blocks_per_step / blocks_per_s / 60 if blocks_per_s else 0.0,
-                          **{k: metrics[k] for k in ("replay_tau", "oracle_tau", "val_loss") if k in metrics}})
+                          **{k: metrics[k] for k in ("replay_tau", "oracle_tau", "val_loss", "val_top1_pos1", "val_top1_pos2")
+                             if k in metrics}})
             print(name, curve[-1], flush=True)
 
     result = train_dflash(drafter, train, val, cfg, pool_size=params.decode.pool_size, seed=params.run.seed, log=log)
@@ -58,7 +59,8 @@ def train_variant(name: str, params_path: str, overrides: list[str]) -> dict:
               "stopped_early": bool(result.stopped_early), "resumed_from": result.resumed_from,
               "minutes": (time.perf_counter() - start) / 60, "threads": torch.get_num_threads(),
               "drafter_parameters": sum(p.numel() for p in drafter.parameters() if p.requires_grad),
-              "final": {k: result.best[k] for k in ("replay_tau", "oracle_tau") if k in result.best}, "curve": curve}
+              "final": {k: result.best[k] for k in ("replay_tau", "oracle_tau", "val_top1_pos1", "val_top1_pos2")
+                        if k in result.best}, "curve": curve}
     (root / "result.json").write_text(json.dumps(record, indent=2))
     return record
 
