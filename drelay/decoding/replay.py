@@ -3,8 +3,10 @@
 At T=0 a lossless decoder commits exactly the target's greedy continuation, so running
 anchor -> draft -> repair -> accept -> next anchor along a distilled sequence gives the same
 acceptance lengths as live decoding, without running the target. One context pass per batch of
-sequences serves every step; each step drafts one block per sequence. Any repair method plugs in
-(the same `DraftBlock -> tokens` hook as the live engine, drelay/models/repair.py); each block
+sequences serves every step; being teacher-forced, each anchor's block is independent of the steps before it,
+so the blocks of several anchors per sequence are drafted and repaired in one pass and the loop then walks their
+acceptance lengths. Any repair method plugs in (the same `DraftBlock -> tokens` hook as the live engine,
+drelay/models/repair.py); each block
 carries the true tokens, so the oracle method picks the true token whenever it is in the pool (the
 upper bound for any repair).
 """
@@ -149,12 +151,19 @@ def precompute_blocks(drafter: BlockDrafter, sequences: list[Sequence], block_si
 @torch.no_grad()
 def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | None = None, pool_size: int = 8,
            repair: Repair | None = None, batch_size: int = 16, max_steps: int | None = None,
-           blocks: ReplayBlocks | None = None, verify_size: int | None = None) -> ReplayStats:
+           blocks: ReplayBlocks | None = None, verify_size: int | None = None,
+           anchors_per_pass: int = 32) -> ReplayStats:
     """Acceptance statistics of a method along each sequence's response (anchor starts at P).
     `repair`: a repair method or any `DraftBlock -> tokens` hook; None: the native top-1.
     `blocks`: these sequences' precomputed blocks (`precompute_blocks`): no drafter pass here.
     `verify_size`: as the live engine's (SpeculativeDecoder): the whole block is drafted and repaired, the first
-    verify_size - 1 drafts are checked (None or 0: all); later positions are never reached."""
+    verify_size - 1 drafts are checked (None or 0: all); later positions are never reached.
+
+    Teacher forcing makes every anchor's block independent of the steps before it (its context is the
+    sequence's own prefix), so the blocks of `anchors_per_pass` anchors of each sequence are drafted, repaired
+    and checked in one batch, and the decode loop is then walked over the per-anchor acceptance lengths (anchor
+    a -> a + accepted + 1): the statistics of the blocks the loop visits, in far fewer and larger drafter passes
+    than one block per sequence per step. A hook must judge each block on its own (every repair method does)."""
     B = block_size or drafter.config.block_size
     V = verify_size or B
     if not 2 <= V <= B:
@@ -171,50 +180,52 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
             ctx_kv = drafter.context_kv(features, torch.arange(T, device=device).expand(b, T))
         else:
             cached = blocks.batch(rows, device)
-            batch_rows = torch.arange(b, device=device)
-        anchors = torch.tensor([s.prompt_len for s in seqs], device=device)
-        first = anchors.clone()
-        accepted = torch.zeros(b, device=device)
-        steps = torch.zeros(b, device=device)
-        active = anchors <= lengths - 2
-        n_steps = 0
-        lengths_log: list[list[int]] = [[] for _ in seqs]
-        while bool(active.any()) and (max_steps is None or n_steps < max_steps):
-            n_steps += 1
-            a = anchors.clamp(max=T - 2)[:, None]  # (b, 1); finished rows are computed and ignored
+        first = torch.tensor([s.prompt_len for s in seqs], device=device)
+        count = lengths - 1 - first  # anchors prompt_len .. len-2 of each sequence
+        accept_parts: list[list[torch.Tensor]] = [[] for _ in seqs]
+        counter_parts: list[list[torch.Tensor]] = [[] for _ in seqs]
+        for offset in range(0, int(count.max()), anchors_per_pass):
+            a = (first[:, None] + torch.arange(offset, offset + anchors_per_pass, device=device)).clamp(max=T - 2)
+            c = a.shape[1]  # (b, c) anchors; past a sequence's end: computed, dropped
             if blocks is None:
-                hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B)[:, 0]  # (b, B-1, H)
+                hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B).flatten(0, 1)  # (b c, B-1, H)
                 logits = drafter.logits(hidden).float()
                 pool_ids, pool_logprobs = candidate_pool(logits, pool_size)
             else:
-                j = (a[:, 0] - first).clamp(max=cached[0].shape[1] - 1)  # the anchor's index in its blocks
-                hidden, pool_ids, pool_logprobs = (t[batch_rows, j] for t in cached)
+                j = torch.minimum(a - first[:, None], (count - 1).clamp(min=0)[:, None])  # the anchor's index
+                hidden, pool_ids, pool_logprobs = (t[torch.arange(b, device=device)[:, None], j].flatten(0, 1)
+                                                   for t in cached)
                 logits = None
-            labels = block_labels(tokens, lengths, a, B)[:, 0]  # (b, B-1)
-            block = DraftBlock(tokens.gather(1, a)[:, 0], a[:, 0], hidden, logits, pool_ids, pool_logprobs, labels,
-                               checked=V - 1)
+            labels = block_labels(tokens, lengths, a, B).flatten(0, 1)  # (b c, B-1)
+            block = DraftBlock(tokens.gather(1, a).flatten(), a.flatten(), hidden, logits, pool_ids, pool_logprobs,
+                               labels, checked=V - 1)
             draft = pool_ids[..., 0] if repair is None else repair(block)
             checked = (labels != IGNORE) & verified
-            match = (draft == labels) & checked
-            prefix_ok = torch.cumprod(match.long(), dim=1)  # (b, B-1): accepted positions
-            accept_len = prefix_ok.sum(1)
-            reached = torch.cat([torch.ones_like(prefix_ok[:, :1]), prefix_ok[:, :-1]], 1).bool()
-            reached &= checked & active[:, None]
+            prefix_ok = torch.cumprod(((draft == labels) & checked).long(), dim=1)  # (b c, B-1): accepted positions
+            reached = torch.cat([torch.ones_like(prefix_ok[:, :1]), prefix_ok[:, :-1]], 1).bool() & checked
             native = pool_ids[..., 0]
-            stats.accepted_at += (prefix_ok.bool() & active[:, None]).sum(0).float().cpu()
-            stats.reached += reached.sum(0).float().cpu()
-            stats.pool_hit += ((pool_ids == labels[..., None]).any(-1) & reached).sum(0).float().cpu()
             replaced = (draft != native) & reached
-            stats.replaced_at += replaced.sum(0).float().cpu()
-            stats.replaced_right_at += (replaced & (draft == labels)).sum(0).float().cpu()
-            stats.harmed_at += (replaced & (native == labels)).sum(0).float().cpu()
-            for row in active.nonzero().squeeze(1).tolist():
-                lengths_log[row].append(int(accept_len[row]))
-            accepted += torch.where(active, accept_len.float(), 0.0)
-            steps += active.float()
-            anchors = torch.where(active, anchors + accept_len + 1, anchors)
-            active = anchors <= lengths - 2
-        stats.steps += int(steps.sum())
-        stats.taus.extend((accepted / steps.clamp(min=1) + 1).tolist())
-        stats.accept_lengths.extend(lengths_log)
+            counters = torch.stack([prefix_ok.bool(), reached, (pool_ids == labels[..., None]).any(-1) & reached,
+                                    replaced, replaced & (draft == labels), replaced & (native == labels)], 1)
+            accept_len, counters = prefix_ok.sum(1).view(b, c).cpu(), counters.view(b, c, *counters.shape[1:]).cpu()
+            for row in range(b):
+                keep = int((count[row] - offset).clamp(min=0, max=c))
+                if keep:
+                    accept_parts[row].append(accept_len[row, :keep])
+                    counter_parts[row].append(counters[row, :keep])
+        for row in range(b):  # the decode loop over the anchors' acceptance lengths
+            if not accept_parts[row]:
+                continue
+            accept, counters = torch.cat(accept_parts[row]).tolist(), torch.cat(counter_parts[row])
+            visited, j = [], 0
+            while j < len(accept) and (max_steps is None or len(visited) < max_steps):
+                visited.append(j)
+                j += accept[j] + 1
+            totals = counters[visited].sum(0).float()  # (6, B-1)
+            for k, name in enumerate(_COUNTERS):
+                getattr(stats, name).add_(totals[k])
+            lengths_run = [accept[v] for v in visited]
+            stats.steps += len(visited)
+            stats.taus.append(sum(lengths_run) / max(len(visited), 1) + 1)
+            stats.accept_lengths.append(lengths_run)
     return stats

@@ -112,3 +112,20 @@ def test_precomputed_blocks_replay_exactly_as_the_drafter_pass_they_replace():
         replay(drafter, seqs[:2], pool_size=4, blocks=blocks)
     with pytest.raises(ValueError, match="pool size"):
         replay(drafter, seqs, pool_size=3, blocks=blocks)
+
+
+def test_anchors_drafted_together_walk_like_one_block_per_step():
+    """Replay drafts several anchors' blocks per pass and walks their acceptance lengths: the same statistics,
+    step by step, as one anchor per pass (the loop's own order), for any batch of sequences; `max_steps` stops
+    each sequence's walk there."""
+    _, drafter, seqs = _setup()
+    drafter = drafter.double()  # exact: passes of different sizes round the same in float64
+    one = replay(drafter, seqs, pool_size=4, batch_size=1, anchors_per_pass=1, repair=Oracle())
+    for per_pass, batch in ((3, 2), (8, 4), (64, 3)):
+        many = replay(drafter, seqs, pool_size=4, batch_size=batch, anchors_per_pass=per_pass, repair=Oracle())
+        assert many.accept_lengths == one.accept_lengths and many.taus == one.taus and many.steps == one.steps
+        for name in ("accepted_at", "reached", "pool_hit", "replaced_at", "replaced_right_at", "harmed_at"):
+            assert torch.equal(getattr(many, name), getattr(one, name)), name
+    assert one.replaced > 0 and sum(map(sum, one.accept_lengths)) > 0
+    short = replay(drafter, seqs, pool_size=4, max_steps=2, repair=Oracle())
+    assert short.accept_lengths == [lengths[:2] for lengths in one.accept_lengths] and short.steps == 2 * len(seqs)
