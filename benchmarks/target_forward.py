@@ -94,7 +94,7 @@ def main() -> None:
         few_row_rule("on" if dtype.endswith(FEW_ROW) else "auto" if dtype.endswith(AUTO) else "off")
         target = Target.load(args.target, dtype=dtype.removesuffix(FEW_ROW).removesuffix(AUTO))
         target.measure_few_row_orders()  # auto only (a no-op otherwise), as the live decoders do first
-        measured = {r: dict(t) for r, t in cpu_linear.ROW_TIMES.items()} if dtype.endswith(AUTO) else {}
+        measured = cpu_linear.measured_orders() if dtype.endswith(AUTO) else {}
         costs = forward_costs(target, args.context, widths, args.repeats)
         draft = draft_cost(target, args.context, 8, args.repeats)
         tps = []
@@ -119,8 +119,7 @@ def main() -> None:
             print(f"\n{dtype}: whole forwards per order as measured before choosing (ms, median)")
             print("| rows | F.linear | (W @ x^T)^T | kept |\n|---|---|---|---|")
             for n, t in r["auto_forward_ms"].items():
-                kept = "(W @ x^T)^T" if t["transposed"] < cpu_linear.AUTO_MARGIN * t["linear"] else "F.linear"
-                print(f"| {n} | {t['linear']:.1f} | {t['transposed']:.1f} | {kept} |")
+                print(f"| {n} | {t['linear']:.1f} | {t['transposed']:.1f} | {t['kept']} |")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
