@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 import torch
 
 from drelay.data.records import IGNORE, Sequence, block_labels, pad_sequences
-from drelay.kernels.reference import candidate_pool
 from drelay.models.drafter import BlockDrafter
 from drelay.models.repair import DraftBlock, Repair
 
@@ -137,7 +136,7 @@ def precompute_blocks(drafter: BlockDrafter, sequences: list[Sequence], block_si
             steps = torch.arange(offset, offset + anchors_per_pass, device=device)
             a = (first[:, None] + steps).clamp(max=T - 2)  # (b, c); past a sequence's end: computed, dropped
             hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B)  # (b, c, B-1, H)
-            pool_ids, pool_logprobs = candidate_pool(drafter.logits(hidden).float(), pool_size)
+            _, pool_ids, pool_logprobs = drafter.pool(hidden, pool_size, with_logits=False)
             for row in range(b):
                 keep = int((count[row] - offset).clamp(min=0, max=anchors_per_pass))
                 if keep:
@@ -174,6 +173,7 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
     stats = ReplayStats(**{name: torch.zeros(B - 1) for name in _COUNTERS})
     device = drafter.fc.weight.device
     verified = torch.arange(B - 1, device=device)[None] < V - 1  # (1, B-1): the drafts the target checks
+    wants_logits = repair is not None and getattr(repair, "needs_logits", True)  # a plain hook: give them
     for rows, seqs, features, tokens, lengths in _batches(sequences, batch_size, device):
         b, T = tokens.shape
         if blocks is None:
@@ -189,8 +189,8 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
             c = a.shape[1]  # (b, c) anchors; past a sequence's end: computed, dropped
             if blocks is None:
                 hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B).flatten(0, 1)  # (b c, B-1, H)
-                logits = drafter.logits(hidden).float()
-                pool_ids, pool_logprobs = candidate_pool(logits, pool_size)
+                logits, pool_ids, pool_logprobs = drafter.pool(hidden, pool_size, with_logits=wants_logits)
+                logits = None if logits is None else logits.float()
             else:
                 j = torch.minimum(a - first[:, None], (count - 1).clamp(min=0)[:, None])  # the anchor's index
                 hidden, pool_ids, pool_logprobs = (t[torch.arange(b, device=device)[:, None], j].flatten(0, 1)

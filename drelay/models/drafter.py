@@ -297,7 +297,11 @@ class BlockDrafter(nn.Module):
         normed = self.norm(hidden)
         if self.vocab_ids is None:
             return self.shared.lm_head(normed)
-        return self.widen(few_row_linear(normed, self.draft_head.to(normed.dtype)))
+        return self.widen(self._draft_logits(normed))
+
+    def _draft_logits(self, normed: torch.Tensor) -> torch.Tensor:
+        """The draft vocabulary's logits (..., N) of normed hidden states."""
+        return few_row_linear(normed, self.draft_head.to(normed.dtype))
 
     def scored_logits(self, hidden: torch.Tensor, labels: torch.Tensor,
                       ignore: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -346,16 +350,24 @@ class BlockDrafter(nn.Module):
         ctx_kv = list(zip(cache.keys, cache.values))
         return self.forward_block(embeds, positions, ctx_kv)[:, 1:]
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: replay's precomputed pools are read again in training
     def pool(self, hidden: torch.Tensor, k: int, with_logits: bool = True):
         """logits (..., V) or None, pool_ids, pool_logprobs (..., k) of hidden (..., H) (DESIGN §1.2).
 
         The reference ops compute the logits and take their top-k (`candidate_pool`). The fused
         `lm_head_topk` kernel never materialises them: then logits are computed only when
-        `with_logits` asks for them (a repair method that reads the whole distribution)."""
+        `with_logits` asks for them (a repair method that reads the whole distribution). With a draft vocabulary
+        the reference ops take the log-softmax and the top-k over its N ids (every other id's logit is
+        OUT_OF_VOCAB: exp() = 0 in the normaliser, never in a top-k), the same pool as over all V up to the
+        normaliser's float rounding, and widen the logits to V only when asked: in replay and the live
+        engine that V-wide fill, copy, log-softmax and top-k were most of a drafter pass's time."""
         if not self.ops.fused:
-            logits = self.logits(hidden)
-            return (logits, *candidate_pool(logits, k))
+            if self.vocab_ids is None:
+                logits = self.logits(hidden)
+                return (logits, *candidate_pool(logits, k))
+            draft_logits = self._draft_logits(self.norm(hidden))
+            pool_ids, pool_logprobs = candidate_pool(draft_logits, k)
+            return (self.widen(draft_logits) if with_logits else None), self.vocab_ids[pool_ids], pool_logprobs
         normed = self.norm(hidden)
         weight = self.head_weight()
         pool_ids, pool_logprobs, _ = self.ops.lm_head_topk(normed.to(weight.dtype), weight, k)

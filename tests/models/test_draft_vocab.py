@@ -10,7 +10,7 @@ from drelay.config import DrafterConfig, JointConfig, TrainConfig
 from drelay.data.records import IGNORE, make_batch, response_token_counts, split_sequences
 from drelay.decoding.generate import ar_generate, speculative_generate
 from drelay.decoding.replay import replay
-from drelay.kernels.reference import dflash_ce
+from drelay.kernels.reference import candidate_pool, dflash_ce
 from drelay.models.drafter import OUT_OF_VOCAB, BlockDrafter, DrafterError, draft_vocabulary
 from drelay.models.methods import TRAINABLE, create_method
 from drelay.training.distill import generate_batch
@@ -52,11 +52,17 @@ def test_logits_equal_the_full_heads_on_the_kept_ids_and_nothing_else_is_ever_dr
     outside = torch.ones(VOCAB, dtype=torch.bool)
     outside[KEEP] = False
     assert (z[..., outside] == OUT_OF_VOCAB).all()
-    _, pool_ids, pool_logprobs = narrow.pool(hidden, 4)
+    logits, pool_ids, pool_logprobs = narrow.pool(hidden, 4)
     assert torch.isin(pool_ids, torch.tensor(KEEP)).all()
     # the pool's log-probabilities: a softmax over the kept ids alone
     expected = torch.log_softmax(z_full[..., KEEP], -1).topk(4, dim=-1).values
     torch.testing.assert_close(pool_logprobs, expected)
+    # taken over the N kept ids, the pool is the one over the V-wide logits; those are made only when asked
+    wide_ids, wide_logprobs = candidate_pool(z, 4)
+    assert torch.equal(pool_ids, wide_ids) and torch.equal(logits, z)
+    torch.testing.assert_close(pool_logprobs, wide_logprobs, rtol=0, atol=1e-6)
+    no_logits, ids_again, _ = narrow.pool(hidden, 4, with_logits=False)
+    assert no_logits is None and torch.equal(ids_again, pool_ids)
 
 
 def test_the_narrow_cross_entropy_equals_the_wide_one_and_ignores_ids_it_cannot_draft():
