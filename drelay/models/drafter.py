@@ -350,7 +350,7 @@ class BlockDrafter(nn.Module):
         ctx_kv = list(zip(cache.keys, cache.values))
         return self.forward_block(embeds, positions, ctx_kv)[:, 1:]
 
-    @torch.no_grad()  # not inference_mode: replay's precomputed pools are read again in training
+    @torch.no_grad()  # not inference_mode: precompute_blocks keeps the pools for later replays outside it
     def pool(self, hidden: torch.Tensor, k: int, with_logits: bool = True):
         """logits (..., V) or None, pool_ids, pool_logprobs (..., k) of hidden (..., H) (DESIGN §1.2).
 
