@@ -429,36 +429,38 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
             raise RelayError("this relay has no training settings: make it with DRelay.create(drafter, settings, ...)")
         k = self.config.pool_size
         hinge_gamma = gamma if cfg.hinge_position_weighted else None
-        weight = drafter.head_weight()
-        logits = None
-        if self.ops.fused:  # over the draft vocabulary's rows when the drafter has one (labels outside: IGNORE)
-            normed = drafter.norm(hidden).to(weight.dtype)
-            draft_labels = drafter.draft_positions(labels, IGNORE)
-            ce, hinge, pool_ids, pool_logprobs = self.ops.support_loss(normed, weight, draft_labels, k, gamma,
-                                                                       cfg.hinge_margin, hinge_gamma)
-            if drafter.vocab_ids is not None:
-                pool_ids = drafter.vocab_ids[pool_ids]
+        # Everything over the columns the drafter scores: the draft vocabulary's rows when it has one (every
+        # other id's logit is OUT_OF_VOCAB: exp() = 0, never in a top-k, so CE, hinge and pool are the V-wide
+        # ones; labels outside it are IGNORE in training batches), else all V. `columns` maps a column to its id.
+        weight, columns = drafter.head_weight(), drafter.vocab_ids
+        normed = drafter.norm(hidden).to(weight.dtype)
+        draft_labels = drafter.draft_positions(labels, IGNORE)  # (..., n) column indices
+        logits = None  # (..., n, C)
+        if self.ops.fused:  # CE, hinge and pool without the logits
+            ce, hinge, pool_cols, pool_logprobs = self.ops.support_loss(normed, weight, draft_labels, k, gamma,
+                                                                        cfg.hinge_margin, hinge_gamma)
         else:
-            logits = drafter.logits(hidden)  # (..., n, V)
-            ce, _ = dflash_ce(logits, labels, gamma)
-            hinge = support_hinge(logits, labels, k, cfg.hinge_margin, hinge_gamma)
-            pool_ids, pool_logprobs = candidate_pool(logits.detach(), k)  # (..., n, k)
+            logits = F.linear(normed, weight)
+            ce, _ = dflash_ce(logits, draft_labels, gamma)
+            hinge = support_hinge(logits, draft_labels, k, cfg.hinge_margin, hinge_gamma)
+            pool_cols, pool_logprobs = candidate_pool(logits.detach(), k)  # (..., n, k)
+        pool_ids = pool_cols if columns is None else columns[pool_cols]
         if logits is None and (self.config.lattice_pool or (cfg.lattice_ce and self.lattice is not None)):
             with torch.set_grad_enabled(cfg.lattice_coadapt and torch.is_grad_enabled()):  # the fused op never
                 logits = F.linear(normed, weight)  # made the logits: the lattice's terms need them
-                if drafter.vocab_ids is not None:
-                    logits = drafter.widen(logits)
-        if self.config.lattice_pool:  # teacher-forced: the pool after the true predecessor
+        if self.config.lattice_pool:  # teacher-forced: the pool after the true predecessor (over all V)
             n, lead = labels.shape[-1], labels.shape[:-1]
+            wide_logits = logits.detach() if columns is None else drafter.widen(logits.detach())
             with torch.no_grad():
-                pool_ids, pool_logprobs = self.lattice_pool(logits.detach().reshape(-1, n, logits.shape[-1]),
+                pool_ids, pool_logprobs = self.lattice_pool(wide_logits.reshape(-1, n, wide_logits.shape[-1]),
                                                             hidden.detach().reshape(-1, n, hidden.shape[-1]),
                                                             anchor_ids.reshape(-1), labels.reshape(-1, n))
             pool_ids, pool_logprobs = pool_ids.view(*lead, n, k), pool_logprobs.view(*lead, n, k)
+            pool_cols = drafter.draft_positions(pool_ids, IGNORE).clamp(min=0)
         z_pool = None
         if cfg.coadapt:
             z_pool = ((normed[..., None, :] * drafter.shared.lm_head.weight[pool_ids]).sum(-1) if self.ops.fused
-                      else logits.gather(-1, pool_ids))
+                      else logits.gather(-1, pool_cols))
         scores = pool_logprobs if z_pool is None else pool_logprobs + wide(z_pool - z_pool.detach())
         sigma, support = self.score(hidden, pool_ids, pool_logprobs, anchor_ids, labels, scores=scores)
         loss, terms = drelay_loss_from_terms(ce, hinge, labels, sigma, support, pool_ids,
@@ -479,10 +481,11 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         position-weighted like the DFlash CE. Teacher-forced on the true predecessors (y_0 = the anchor).
         It trains every row of P and S (the pool-only σ reaches just the rows of pool tokens), so the lattice
         learns the drafter's residual bigram as DSpark's head does; σ then reads it over the pool.
-        hidden (..., n, H), logits (..., n, V), labels (..., n), anchor_ids (...). With a draft vocabulary
-        (`drafter.vocab_ids`) the softmax runs over its ids only: every other id has z = OUT_OF_VOCAB, so it
-        adds exp(-1e9) = 0 to the normaliser and gets no gradient, and the loss is the same at a fraction of the
-        cost (labels outside it are IGNORE in training batches)."""
+        hidden (..., n, H), logits (..., n, V) or, with a draft vocabulary, over its N ids only (..., n, N),
+        labels (..., n), anchor_ids (...). With a draft vocabulary (`drafter.vocab_ids`) the softmax runs over
+        its ids only: every other id has z = OUT_OF_VOCAB, so it adds exp(-1e9) = 0 to the normaliser and gets
+        no gradient, and the loss is the same at a fraction of the cost (labels outside it are IGNORE in
+        training batches)."""
         n = labels.shape[-1]
         labels = labels.reshape(-1, n)
         prev = torch.cat([anchor_ids.reshape(-1, 1), labels[:, : n - 1].clamp(min=0)], dim=1)
@@ -490,7 +493,9 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         bigram = self.lattice.vocabulary(prev, hidden.reshape(-1, n, hidden.shape[-1]).to(self.reader.A.weight.dtype),
                                          vocab_ids)
         if vocab_ids is not None:  # narrowed before the upcast: only the draft vocabulary's columns are widened
-            logits, labels = logits.index_select(-1, vocab_ids), drafter.draft_positions(labels, IGNORE)
+            if logits.shape[-1] != vocab_ids.numel():
+                logits = logits.index_select(-1, vocab_ids)
+            labels = drafter.draft_positions(labels, IGNORE)
         return dflash_ce(wide(logits).reshape(bigram.shape) + bigram, labels, gamma)[0]
 
     def tune(self, score: Score) -> dict[float, float]:
