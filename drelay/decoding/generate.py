@@ -165,6 +165,7 @@ class SpeculativeDecoder:
         self.sampling_rule, self.generator = sampling_rule, generator
         self.reference = None if reference is None else torch.tensor(reference, dtype=torch.long)
         self.needs_logits = method is not None and method.needs_logits
+        self.widen = method is None or not method.narrow_logits  # logits over all V, or the draft vocabulary's
         ops = kernel_ops(target.device)
         if temperature == 0:
             self.accept = ops.verify  # greedy: the verify op itself
@@ -202,9 +203,11 @@ class SpeculativeDecoder:
         """Drafter forward and candidate pool for the next block."""
         anchor_pos = torch.tensor([state.anchor_pos], device=self.target.device)
         hidden = self.drafter.draft_hidden(state.draft_cache, state.anchor, anchor_pos, self.block_size)
-        logits, pool_ids, pool_logprobs = self.drafter.pool(hidden, self.pool_size, self.needs_logits)  # (b, B-1, k)
+        logits, pool_ids, pool_logprobs = self.drafter.pool(hidden, self.pool_size, self.needs_logits,
+                                                            self.widen)  # (b, B-1, k)
         return DraftBlock(state.anchor, anchor_pos, hidden, logits, pool_ids, pool_logprobs,
-                          self._truth(state, self.block_size - 1), checked=self.verify_size - 1)
+                          self._truth(state, self.block_size - 1), checked=self.verify_size - 1,
+                          logit_ids=self.drafter.logit_ids(self.widen))
 
     def _fused_residual_accept(self, draft_tokens: torch.Tensor, target_logits: torch.Tensor):
         uniforms, noise = residual_noise(draft_tokens.shape, target_logits.shape[-1], self.generator,

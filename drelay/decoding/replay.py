@@ -174,6 +174,7 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
     device = drafter.fc.weight.device
     verified = torch.arange(B - 1, device=device)[None] < V - 1  # (1, B-1): the drafts the target checks
     wants_logits = repair is not None and getattr(repair, "needs_logits", True)  # a plain hook: give them
+    widen = not getattr(repair, "narrow_logits", False)  # V-wide unless the method takes the draft vocabulary's
     for rows, seqs, features, tokens, lengths in _batches(sequences, batch_size, device):
         b, T = tokens.shape
         if blocks is None:
@@ -189,7 +190,7 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
             c = a.shape[1]  # (b, c) anchors; past a sequence's end: computed, dropped
             if blocks is None:
                 hidden = drafter.forward_anchored(ctx_kv, a, tokens.gather(1, a), B).flatten(0, 1)  # (b c, B-1, H)
-                logits, pool_ids, pool_logprobs = drafter.pool(hidden, pool_size, with_logits=wants_logits)
+                logits, pool_ids, pool_logprobs = drafter.pool(hidden, pool_size, wants_logits, widen)
                 logits = None if logits is None else logits.float()
             else:
                 j = torch.minimum(a - first[:, None], (count - 1).clamp(min=0)[:, None])  # the anchor's index
@@ -198,7 +199,7 @@ def replay(drafter: BlockDrafter, sequences: list[Sequence], block_size: int | N
                 logits = None
             labels = block_labels(tokens, lengths, a, B).flatten(0, 1)  # (b c, B-1)
             block = DraftBlock(tokens.gather(1, a).flatten(), a.flatten(), hidden, logits, pool_ids, pool_logprobs,
-                               labels, checked=V - 1)
+                               labels, checked=V - 1, logit_ids=drafter.logit_ids(widen))
             draft = pool_ids[..., 0] if repair is None else repair(block)
             checked = (labels != IGNORE) & verified
             prefix_ok = torch.cumprod(((draft == labels) & checked).long(), dim=1)  # (b c, B-1): accepted positions

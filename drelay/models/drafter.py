@@ -351,8 +351,10 @@ class BlockDrafter(nn.Module):
         return self.forward_block(embeds, positions, ctx_kv)[:, 1:]
 
     @torch.no_grad()  # not inference_mode: precompute_blocks keeps the pools for later replays outside it
-    def pool(self, hidden: torch.Tensor, k: int, with_logits: bool = True):
+    def pool(self, hidden: torch.Tensor, k: int, with_logits: bool = True, widen: bool = True):
         """logits (..., V) or None, pool_ids, pool_logprobs (..., k) of hidden (..., H) (DESIGN §1.2).
+        widen=False: with a draft vocabulary the logits cover only its N ids, in `vocab_ids` order
+        (`logit_ids`), for a method that reads them so (narrow_logits).
 
         The reference ops compute the logits and take their top-k (`candidate_pool`). The fused
         `lm_head_topk` kernel never materialises them: then logits are computed only when
@@ -367,13 +369,21 @@ class BlockDrafter(nn.Module):
                 return (logits, *candidate_pool(logits, k))
             draft_logits = self._draft_logits(self.norm(hidden))
             pool_ids, pool_logprobs = candidate_pool(draft_logits, k)
-            return (self.widen(draft_logits) if with_logits else None), self.vocab_ids[pool_ids], pool_logprobs
+            logits = (self.widen(draft_logits) if widen else draft_logits) if with_logits else None
+            return logits, self.vocab_ids[pool_ids], pool_logprobs
         normed = self.norm(hidden)
         weight = self.head_weight()
         pool_ids, pool_logprobs, _ = self.ops.lm_head_topk(normed.to(weight.dtype), weight, k)
         if self.vocab_ids is not None:
             pool_ids = self.vocab_ids[pool_ids]
-        return (self.logits(hidden) if with_logits else None), pool_ids, pool_logprobs
+        if not with_logits:
+            return None, pool_ids, pool_logprobs
+        narrow = not widen and self.vocab_ids is not None
+        return (self._draft_logits(normed) if narrow else self.logits(hidden)), pool_ids, pool_logprobs
+
+    def logit_ids(self, widen: bool) -> torch.Tensor | None:
+        """The token id of each column of `pool`'s logits (None: column j is token j)."""
+        return None if widen else self.vocab_ids
 
     def forward_anchored(self, ctx_kv, anchors: torch.Tensor, anchor_ids: torch.Tensor,
                          block_size: int | None = None) -> torch.Tensor:

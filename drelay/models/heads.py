@@ -11,6 +11,12 @@ All three repair a block left to right, each position conditioned on the token c
 (s_i = log_softmax(z_i); E = the target's frozen embedding.) The layer that produces each correction
 starts at zero (S, W_b, W2), so an untrained head picks exactly the drafter's native top-1.
 
+With a draft vocabulary (EAGLE-3's; the drafter scores only N of the V ids, every other logit is
+OUT_OF_VOCAB) the heads take the logits over those N columns only (`columns`: the token id of each
+column), as DRelay's pool does. A "full vocabulary" head then scores the N ids: an id outside them has
+z = -1e9, never the argmax and exp() = 0 in a softmax, so the choices and losses are the V-wide ones
+(up to float rounding), and the rows of its V-sized output layer for the other ids get no gradient.
+
 Training is teacher-forced: the prefix is the true tokens (y_0 = anchor, y_1..y_{n-1}), every position in
 one pass (`scores`); inference (`select`, the engine's `repair=` hook) runs the same `_context` / `_score`
 step by step on the head's own choices. `training_loss` returns each method's whole joint loss, the
@@ -100,14 +106,36 @@ class DSparkConfig(HeadConfig):
         _check_nonnegative(self, "lambda_conf")
 
 
+class Columns(NamedTuple):
+    """What a pass needs to know about the logits' columns, made once per pass (`RepairHead._columns`)."""
+
+    ids: torch.Tensor | None  # (C,) sorted token id of each logits column; None: column j is token j (C = V)
+    rows: torch.Tensor | None = None  # (C, ·) a full-vocabulary head's output-layer rows for those columns
+
+
 class Scored(NamedTuple):
     """A teacher-forced pass over N blocks of n positions."""
 
     hidden: torch.Tensor  # (N, n, H) in the head's dtype
-    logits: torch.Tensor  # (N, n, V) the drafter's z
+    logits: torch.Tensor  # (N, n, C) the drafter's z over the columns
     context: torch.Tensor  # (N, n, ·) c_i, the prefix context of each position
-    scores: torch.Tensor  # (N, n, m) σ over m choices (k pool candidates, or the V vocabulary)
-    ids: torch.Tensor | None  # (N, n, m) the token of each choice; None: choice j is token j
+    scores: torch.Tensor  # (N, n, m) σ over m choices (k pool candidates, or the C columns)
+    ids: torch.Tensor | None  # (N, n, m) the token of each choice; None: choice j is column j
+    columns: Columns
+
+
+def to_columns(tokens: torch.Tensor, columns: torch.Tensor | None) -> torch.Tensor:
+    """Token ids -> their column index in `columns` (sorted ids; None: unchanged); IGNORE and ids outside
+    the columns -> IGNORE."""
+    if columns is None:
+        return tokens
+    at = torch.searchsorted(columns, tokens.clamp(min=0)).clamp(max=columns.numel() - 1)
+    return torch.where((tokens >= 0) & (columns[at] == tokens), at, IGNORE)
+
+
+def _columns_with_rows(ids: torch.Tensor | None, weight: torch.Tensor) -> Columns:
+    """A full-vocabulary head's output layer (V, ·) restricted to the columns' rows."""
+    return Columns(ids, weight if ids is None else weight.index_select(0, ids))
 
 
 def _wide(x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +150,7 @@ class RepairHead(EmbeddingBoundFolder, RepairMethod):
     config_cls: type[HeadConfig] = HeadConfig
     folder_error = HeadError
     folder_name = "head"  # <joint.out_dir>/<name>/head
+    narrow_logits = True  # block.logits may cover only the draft vocabulary (block.logit_ids)
 
     def __init__(self, cfg: HeadConfig):
         super().__init__()
@@ -147,8 +176,9 @@ class RepairHead(EmbeddingBoundFolder, RepairMethod):
         return cls.for_drafter(drafter, pool_size=pool_size, **dataclasses.asdict(settings))
 
     def joint_loss(self, drafter, hidden, labels, anchor_ids, *, gamma, progress):
-        return self.training_loss(hidden, drafter.logits(hidden), labels, anchor_ids, gamma=gamma,
-                                  progress=progress)
+        logits = F.linear(drafter.norm(hidden), drafter.head_weight())  # (..., n, C): the ids the drafter scores
+        return self.training_loss(hidden, logits, labels, anchor_ids, gamma=gamma, progress=progress,
+                                  columns=drafter.vocab_ids)
 
     def attach(self, embed_tokens: nn.Module) -> "RepairHead":
         shape, cfg = tuple(embed_tokens.weight.shape), self.config
@@ -177,28 +207,39 @@ class RepairHead(EmbeddingBoundFolder, RepairMethod):
         contexts c_i (N, t, ·) and the state to continue from."""
         raise NotImplementedError
 
-    def _score(self, hidden: torch.Tensor, logits: torch.Tensor, context: torch.Tensor):
-        """hidden (N, t, H), logits (N, t, V), context (N, t, ·) -> σ (N, t, m), ids (N, t, m) | None."""
+    def _score(self, hidden: torch.Tensor, logits: torch.Tensor, context: torch.Tensor, columns: Columns):
+        """hidden (N, t, H), logits (N, t, C), context (N, t, ·) -> σ (N, t, m), ids (N, t, m) | None."""
         raise NotImplementedError
 
-    def _loss(self, out: Scored, labels: torch.Tensor, ce: torch.Tensor, gamma: float, progress: float):
-        """The method's joint loss and its own terms; ce = the plain DFlash CE of the base logits."""
+    def _columns(self, ids: torch.Tensor | None) -> Columns:
+        """The per-pass view of the logits' columns (a full-vocabulary head adds its output rows)."""
+        return Columns(ids)
+
+    def _loss(self, out: Scored, labels: torch.Tensor, at: torch.Tensor, ce: torch.Tensor, gamma: float,
+              progress: float):
+        """The method's joint loss and its own terms; labels as token ids, `at` as column indices (both
+        IGNORE where the other is); ce = the plain DFlash CE of the base logits."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------------------ computation
     @staticmethod
-    def _pick(scores: torch.Tensor, ids: torch.Tensor | None, native: torch.Tensor | None = None) -> torch.Tensor:
-        """The argmax choice of each position as a token id: (..., m) -> (...). With `native` (...) (the
-        engine's top-1, a full-vocabulary head only) a tie with the best score keeps the native: bf16
-        logits tie often, and argmax and top-k may break a tie differently."""
+    def _pick(scores: torch.Tensor, ids: torch.Tensor | None, native: torch.Tensor | None = None,
+              columns: torch.Tensor | None = None) -> torch.Tensor:
+        """The argmax choice of each position as a token id: (..., m) -> (...). ids None: choice j is
+        column j, token `columns[j]` (j without columns). With `native` (...) (the engine's top-1, a
+        full-vocabulary head only) a tie with the best score keeps the native: bf16 logits tie often, and
+        argmax and top-k may break a tie differently. Columns are sorted, so the first maximum is the
+        smallest id over the columns as over all V."""
         j = scores.argmax(-1, keepdim=True)
-        picked = (j if ids is None else ids.gather(-1, j)).squeeze(-1)
-        if native is None or ids is not None:
+        if ids is not None:
+            return ids.gather(-1, j).squeeze(-1)
+        picked = (j if columns is None else columns[j]).squeeze(-1)
+        if native is None:
             return picked
-        at_native = scores.gather(-1, native[..., None]).squeeze(-1)
+        at_native = scores.gather(-1, to_columns(native, columns)[..., None].clamp(min=0)).squeeze(-1)
         return torch.where(at_native >= scores.gather(-1, j).squeeze(-1), native, picked)
 
-    def _forced(self, hidden, logits, anchor_ids, prefix_ids) -> Scored:
+    def _forced(self, hidden, logits, anchor_ids, prefix_ids, columns: torch.Tensor | None = None) -> Scored:
         """Teacher-forced pass, every position at once, flattened to (N, n, ·); prefix_ids (..., n)
         are y_1..y_n (only y_1..y_{n-1} are read). IGNORE padding sits only at a block's end, so a
         padded predecessor only feeds a padded position: it is read as token 0."""
@@ -207,11 +248,12 @@ class RepairHead(EmbeddingBoundFolder, RepairMethod):
         logits = logits.reshape(-1, n, logits.shape[-1])
         prev = torch.cat([anchor_ids.reshape(-1, 1), prefix_ids.reshape(-1, n)[:, : n - 1]], dim=1)
         context, _ = self._context(prev.clamp(min=0), None)
-        return Scored(hidden, logits, context, *self._score(hidden, logits, context))
+        cols = self._columns(columns)
+        return Scored(hidden, logits, context, *self._score(hidden, logits, context, cols), cols)
 
     def scores(self, hidden, logits, anchor_ids, prefix_ids) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Teacher-forced σ (..., n, m) and choice ids (..., n, m) | None, all positions in parallel.
-        hidden (..., n, H), logits (..., n, V), anchor_ids (...), prefix_ids (..., n) the true tokens."""
+        hidden (..., n, H), logits (..., n, V) over all ids, anchor_ids (...), prefix_ids (..., n) the true tokens."""
         out = self._forced(hidden, logits, anchor_ids, prefix_ids)
         lead = prefix_ids.shape
         return out.scores.view(*lead, -1), None if out.ids is None else out.ids.view(*lead, -1)
@@ -225,10 +267,11 @@ class RepairHead(EmbeddingBoundFolder, RepairMethod):
         walk = n if return_scores or prefix_ids is not None else block.walk_length()
         prev, state = block.anchor_ids[:, None], None
         tokens, scores = [], []
+        cols = self._columns(block.logit_ids)
         for i in range(walk):
             context, state = self._context(prev, state)
-            sigma, ids = self._score(hidden[:, i: i + 1], block.logits[:, i: i + 1], context)  # (b, 1, m)
-            tokens.append(self._pick(sigma, ids, block.pool_ids[:, i: i + 1, 0]))  # (b, 1)
+            sigma, ids = self._score(hidden[:, i: i + 1], block.logits[:, i: i + 1], context, cols)  # (b, 1, m)
+            tokens.append(self._pick(sigma, ids, block.pool_ids[:, i: i + 1, 0], cols.ids))  # (b, 1)
             scores.append(sigma[:, 0])
             prev = tokens[-1] if prefix_ids is None else prefix_ids[:, i: i + 1].clamp(min=0)
         tokens = torch.cat(tokens + [block.pool_ids[:, walk:, 0]], dim=1)  # unchecked drafts: the native
@@ -240,24 +283,27 @@ class RepairHead(EmbeddingBoundFolder, RepairMethod):
         return position_weights(labels.shape[-1], gamma, labels.device) * (labels != IGNORE)
 
     def training_loss(self, hidden: torch.Tensor, logits: torch.Tensor, labels: torch.Tensor,
-                      anchor_ids: torch.Tensor, *, gamma: float, progress: float
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      anchor_ids: torch.Tensor, *, gamma: float, progress: float,
+                      columns: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The method's whole joint loss, teacher-forced on the true tokens, and its terms (detached).
 
-        hidden (..., n, H), logits (..., n, V): the drafter's; labels (..., n) with IGNORE padding;
-        anchor_ids (...); progress in [0, 1]: the share of training done (for schedules). Terms: "loss",
-        "ce" (the plain DFlash CE of z, comparable across methods), "acc" / "native_acc" (teacher-forced
-        top-1 accuracy of the head's choice / of z's argmax) and the method's own.
+        hidden (..., n, H), logits (..., n, C): the drafter's over `columns` (sorted token ids; None: all V);
+        labels (..., n) token ids with IGNORE padding (an id outside the columns counts as IGNORE in every
+        loss: no score can lower its CE); anchor_ids (...); progress in [0, 1]: the share of training done
+        (for schedules). Terms: "loss", "ce" (the plain DFlash CE of z, comparable across methods), "acc" /
+        "native_acc" (teacher-forced top-1 accuracy of the head's choice / of z's argmax) and the method's own.
         """
         labels = labels.reshape(-1, labels.shape[-1])
-        out = self._forced(hidden, logits, anchor_ids, labels)
-        ce, _ = dflash_ce(out.logits, labels, gamma)
-        loss, terms = self._loss(out, labels, ce, gamma, progress)
+        out = self._forced(hidden, logits, anchor_ids, labels, columns)
+        at = to_columns(labels, columns)  # the labels as column indices (IGNORE: padding or outside the columns)
+        labels = torch.where(at == IGNORE, IGNORE, labels)
+        ce, _ = dflash_ce(out.logits, at, gamma)
+        loss, terms = self._loss(out, labels, at, ce, gamma, progress)
         valid = labels != IGNORE
         count = mean_denominator(valid.sum(), 1)
         terms.update(loss=loss, ce=ce,
-                     acc=((self._pick(out.scores, out.ids) == labels) & valid).sum() / count,
-                     native_acc=((out.logits.argmax(-1) == labels) & valid).sum() / count)
+                     acc=((self._pick(out.scores, out.ids, columns=columns) == labels) & valid).sum() / count,
+                     native_acc=((out.logits.argmax(-1) == at) & valid).sum() / count)
         return loss, {name: t.detach() for name, t in terms.items()}
 
 
@@ -283,15 +329,17 @@ class DFlash2Selector(RepairHead):
     def _context(self, prev, state):
         return self.predecessor[prev], None  # (N, t, r)
 
-    def _score(self, hidden, logits, context):
+    def _score(self, hidden, logits, context, columns):
         # SpecForge adds the raw logit z_i(c); s_i(c) differs from it by a per-position constant, which
         # changes neither the argmax nor the pool CE
-        pool_ids, pool_logprobs = candidate_pool(logits, self.config.pool_size)  # (N, t, k)
+        pool_ids, pool_logprobs = candidate_pool(logits, self.config.pool_size)  # (N, t, k) column indices
+        if columns.ids is not None:
+            pool_ids = columns.ids[pool_ids]
         query = context * self.hidden_proj(hidden)  # (N, t, r): P[p] ⊙ W_h h_i
         bonus = torch.einsum("ntr,ntkr->ntk", query, self.successor[pool_ids])
         return _wide(pool_logprobs) + _wide(bonus), pool_ids
 
-    def _loss(self, out, labels, ce, gamma, progress):
+    def _loss(self, out, labels, at, ce, gamma, progress):
         """ce + α · selector CE over the pool (target: the true token's pool index), at positions whose
         true token is in the pool. As in SpecForge it is divided by the weight sum of ALL valid positions,
         so a low pool-hit rate dilutes it. Gradient reaches z (through s_i) and h (through W_h). α is
@@ -331,15 +379,18 @@ class DominoHead(RepairHead):
     def _context(self, prev, state):
         return self.gru(self.embed(prev), state)  # r_i (N, t, G), state (1, N, G)
 
-    def _score(self, hidden, logits, context):
-        residual = self.correction(torch.cat([hidden, context], dim=-1))  # (N, t, V)
+    def _columns(self, ids):
+        return _columns_with_rows(ids, self.correction[-1].weight)
+
+    def _score(self, hidden, logits, context, columns):
+        residual = F.linear(self.correction[:-1](torch.cat([hidden, context], dim=-1)), columns.rows)  # (N, t, C)
         return _wide(logits) + _wide(residual), None  # not in bf16: its rounding would tie near-equal logits
 
-    def _loss(self, out, labels, ce, gamma, progress):
+    def _loss(self, out, labels, at, ce, gamma, progress):
         """(1-λ)·CE(z + Δ) + λ·CE(z), both position-weighted. At λ = 1 (the start) the head gets no
         gradient; the base CE trains only the backbone."""
         lam = self.lambda_at(progress)
-        final, _ = dflash_ce(out.scores, labels, gamma)
+        final, _ = dflash_ce(out.scores, at, gamma)
         return (1 - lam) * final + lam * ce, {"final": final, "lambda": torch.tensor(lam)}
 
 
@@ -361,8 +412,11 @@ class DSparkHead(RepairHead):
     def _context(self, prev, state):
         return self.markov_in(prev), None  # (N, t, r)
 
-    def _score(self, hidden, logits, context):
-        bias = self.markov_out(context)  # (N, t, V): depends on the predecessor only
+    def _columns(self, ids):
+        return _columns_with_rows(ids, self.markov_out.weight)
+
+    def _score(self, hidden, logits, context, columns):
+        bias = F.linear(context, columns.rows)  # (N, t, C): depends on the predecessor only
         return _wide(logits) + _wide(bias), None  # not in bf16: its rounding would tie near-equal logits
 
     def confidence_logits(self, hidden: torch.Tensor, context: torch.Tensor) -> torch.Tensor:
@@ -378,7 +432,7 @@ class DSparkHead(RepairHead):
         context, _ = self._context(prev, None)
         return torch.sigmoid(self.confidence_logits(block.hidden.to(self.dtype), context))
 
-    def _loss(self, out, labels, ce, gamma, progress):
+    def _loss(self, out, labels, at, ce, gamma, progress):
         """CE(z + b) + λ_conf · BCE(confidence, [argmax(z + b) == y]), both position-weighted.
 
         SpecForge's total is 0.1·CE + 0.9·||p_d - p_t||_1 + BCE against the soft 1 - TV(p_d, p_t); it needs
@@ -386,9 +440,9 @@ class DSparkHead(RepairHead):
         is the hard per-position event "the corrected argmax at i is the true token" (teacher-forced).
         No schedule: `progress` is not read.
         """
-        markov, _ = dflash_ce(out.scores, labels, gamma)
+        markov, _ = dflash_ce(out.scores, at, gamma)
         conf = self.confidence_logits(out.hidden, out.context)  # (N, n)
-        right = (out.scores.detach().argmax(-1) == labels).to(conf.dtype)
+        right = (out.scores.detach().argmax(-1) == at).to(conf.dtype)
         w = self.weights(labels, gamma)
         bce = (F.binary_cross_entropy_with_logits(conf, right, reduction="none") * w).sum() / mean_denominator(w.sum(), 1e-8)
         return markov + self.config.lambda_conf * bce, {"markov_ce": markov, "conf_bce": bce}

@@ -44,6 +44,8 @@ class DraftBlock:
     # reference), negative elsewhere; only analysis methods (needs_truth) read it
     checked: int | None = None  # the target verifies drafts 1..checked only (decode.verify_size - 1; None: all):
     # a method may stop its left-to-right walk there and leave the later drafts at the native top-1
+    logit_ids: torch.Tensor | None = None  # (C,) sorted token id of each column of `logits` when they cover
+    # only the drafter's draft vocabulary (a method with narrow_logits); None: column j is token j
 
     def walk_length(self) -> int:
         """How many positions a left-to-right selector must walk: the checked ones (at least one, at most all)."""
@@ -61,6 +63,7 @@ class RepairMethod(nn.Module):
     name: ClassVar[str] = ""
     folder_name: ClassVar[str | None] = None  # its weights' folder under <joint.out_dir>/<name>; None: none
     needs_logits: ClassVar[bool] = True  # select reads block.logits (False: the pool only)
+    narrow_logits: ClassVar[bool] = False  # select also takes block.logits over the draft vocabulary only
     needs_truth: ClassVar[bool] = False  # select reads block.truth (analysis only: the oracle)
     trainable: ClassVar[bool] = True  # has a joint objective (a train@<name> stage)
     repairs: ClassVar[bool] = True  # False: select always returns the native top-1 (dflash)

@@ -172,3 +172,30 @@ def test_every_method_trains_and_decodes_on_a_drafter_with_a_draft_vocabulary(na
     for prompt in prompts:
         spec = speculative_generate(target, narrow, prompt, 20, method=method, pool_size=4)
         assert spec.tokens == ar_generate(target, prompt, 20).tokens
+
+
+@pytest.mark.parametrize("name", ["dflash2", "domino", "dspark"])
+def test_replay_and_the_engine_hand_a_head_the_draft_vocabularys_logits_with_the_same_outcome(name):
+    """A head (narrow_logits) gets the logits over the N draft ids and their ids (block.logit_ids); a plain
+    hook wrapping the same head gets them V-wide. Both repair every block the same way."""
+    target, _, narrow = _pair()
+    method = create_method(name, narrow.float(), JointConfig().settings(name), 4, seed=0)
+    with torch.no_grad():  # trained-looking: off the native start
+        for p in method.parameters():
+            p.add_(torch.randn_like(p) * 0.5)
+    seen = []
+
+    def wide_hook(block):
+        seen.append(block.logits.shape[-1])
+        return method.select(block)
+
+    seqs = generate_batch(target, [[1, 5, 7, 9, 3], [1, 20, 21]], 20, set())
+    wide = replay(narrow, seqs, pool_size=4, repair=wide_hook)
+    narrow_stats = replay(narrow, seqs, pool_size=4, repair=method)
+    assert set(seen) == {VOCAB} and narrow_stats.accept_lengths == wide.accept_lengths
+    assert narrow_stats.replaced_at.sum() > 0 and torch.equal(narrow_stats.replaced_at, wide.replaced_at)
+    engine = []
+    original = method.select
+    method.select = lambda block, **kw: engine.append(block.logit_ids) or original(block, **kw)
+    speculative_generate(target, narrow, [1, 5, 7, 9, 3], 12, method=method, pool_size=4)
+    assert engine and all(torch.equal(ids, narrow.vocab_ids) for ids in engine)

@@ -2,6 +2,7 @@
 repair, causality, untrained = native top-1, gradient flow, lossless decoding through the engine, a
 synthetic task each head must learn, Domino's λ schedule, and save/load."""
 
+import dataclasses
 from dataclasses import make_dataclass
 
 import pytest
@@ -10,8 +11,9 @@ from torch import nn
 
 from drelay.models.repair import DraftBlock
 from drelay.decoding.generate import ar_generate, speculative_generate
-from drelay.models.drafter import BlockDrafter
-from drelay.models.heads import HEADS, DFlash2Config, DominoConfig, DominoHead, DSparkHead, HeadError, RepairHead
+from drelay.models.drafter import OUT_OF_VOCAB, BlockDrafter
+from drelay.models.heads import (HEADS, DFlash2Config, DominoConfig, DominoHead, DSparkHead, HeadError, RepairHead,
+                                 to_columns)
 from drelay.models.methods import create_method, load_method, method_class
 from drelay.kernels.reference import candidate_pool
 from drelay.data.records import IGNORE
@@ -141,6 +143,57 @@ def test_an_untrained_head_picks_the_native_top1(kind):
     assert torch.equal(tokens, block.pool_ids[..., 0]) and torch.equal(tokens, block.logits.argmax(-1))
     native = block.pool_logprobs.double() if kind == "dflash2" else block.logits
     assert torch.equal(sigma, native)  # the correction is exactly zero, not just small
+
+
+# ------------------------------------------------------------------------------ 4b. draft vocabulary
+COLUMNS = torch.tensor([0, 3, 4, 9, 11, 17, 20, 26, 31, 38])  # a draft vocabulary: the ids the drafter scores
+
+
+def test_to_columns_maps_ids_to_their_column_and_everything_else_to_ignore():
+    tokens = torch.tensor([[0, 9, 38, 5], [IGNORE, 39, 17, 1]])
+    assert to_columns(tokens, COLUMNS).tolist() == [[0, 3, 9, IGNORE], [IGNORE, IGNORE, 5, IGNORE]]
+    assert to_columns(tokens, None) is tokens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_over_the_draft_vocabulary_give_the_vocabulary_wide_choices_and_losses(kind):
+    """A drafter with a draft vocabulary gives every other id the logit OUT_OF_VOCAB. A head fed only the
+    draft vocabulary's columns (block.logit_ids; training: columns=) picks the same tokens with the same
+    scores on them, and its loss and gradients are those of the V-wide pass."""
+    gen = torch.Generator().manual_seed(3)
+    narrow_logits = torch.randn(4, N, len(COLUMNS), generator=gen, dtype=torch.float64) * 2
+    wide_logits = torch.full((4, N, V), OUT_OF_VOCAB, dtype=torch.float64).index_copy(-1, COLUMNS, narrow_logits)
+    head, wide = _head(kind), _block(logits=wide_logits)
+    narrow = dataclasses.replace(wide, logits=narrow_logits, logit_ids=COLUMNS)
+    tokens, sigma = head.select(wide, return_scores=True)
+    narrow_tokens, narrow_sigma = head.select(narrow, return_scores=True)
+    assert torch.isin(tokens, COLUMNS).all() and bool((tokens != wide.pool_ids[..., 0]).any())
+    assert torch.equal(narrow_tokens, tokens)
+    # (dflash2's pool log-probs are float32: their normaliser over 10 or 40 columns rounds differently)
+    torch.testing.assert_close(narrow_sigma, sigma if kind == "dflash2" else sigma[..., COLUMNS], rtol=1e-6, atol=1e-6)
+    labels = _labels(wide)  # ~30% random ids: some outside the columns, no loss can lower their CE
+    assert bool((~torch.isin(labels, COLUMNS) & (labels != IGNORE)).any())
+    kept = torch.where(torch.isin(labels, COLUMNS), labels, IGNORE)  # what the trainer feeds (drafts_only_vocab)
+    hidden = wide.hidden.clone().requires_grad_(True)
+    losses = {}
+    for name, logits, columns in (("wide", wide_logits, None), ("narrow", narrow_logits, COLUMNS)):
+        logits = logits.clone().requires_grad_(True)
+        head.zero_grad()
+        loss, terms = head.training_loss(hidden, logits, kept, wide.anchor_ids, gamma=4.0, progress=0.75,
+                                         columns=columns)
+        loss.backward()
+        grads = [hidden.grad.clone()] + [p.grad.clone() for p in head.parameters() if p.grad is not None]
+        logit_grad = logits.grad if columns is None else torch.zeros_like(wide_logits).index_copy(-1, COLUMNS, logits.grad)
+        losses[name] = terms, grads, logit_grad
+        hidden.grad = None
+    (terms, grads, logit_grad), (n_terms, n_grads, n_logit_grad) = losses["wide"], losses["narrow"]
+    assert set(n_terms) == set(terms)
+    for name in terms:
+        torch.testing.assert_close(n_terms[name], terms[name], rtol=1e-6, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    assert len(n_grads) == len(grads)
+    for g_narrow, g_wide in zip(n_grads, grads):
+        torch.testing.assert_close(g_narrow, g_wide, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(n_logit_grad, logit_grad, rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------------------ 5. gradient flow
