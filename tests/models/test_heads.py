@@ -183,7 +183,9 @@ def test_logits_over_the_draft_vocabulary_give_the_vocabulary_wide_choices_and_l
                                          columns=columns)
         loss.backward()
         grads = [hidden.grad.clone()] + [p.grad.clone() for p in head.parameters() if p.grad is not None]
-        logit_grad = logits.grad if columns is None else torch.zeros_like(wide_logits).index_copy(-1, COLUMNS, logits.grad)
+        logit_grad = logits.grad
+        if columns is not None:
+            logit_grad = torch.zeros_like(wide_logits).index_copy(-1, COLUMNS, logit_grad)
         losses[name] = terms, grads, logit_grad
         hidden.grad = None
     (terms, grads, logit_grad), (n_terms, n_grads, n_logit_grad) = losses["wide"], losses["narrow"]
