@@ -8,7 +8,9 @@ whose joint loss is the backbone's DFlash CE alone.
     at the last step    :  method.tune (DRelay's δ by held-out replay τ), then the final evaluation
     every checkpoint_every: last.pt (weights, optimizer, RNG, history), written atomically
 
-A killed run started again with the same settings, data and starting drafter resumes from last.pt.
+A killed run started again with the same settings, data, starting drafter and library code resumes from
+last.pt; any other run starts over (a stage DVC re-runs after a code change retrains, it never reloads the
+last run's final step).
 
 Under torchrun (several processes, drelay/training/distributed.py) the loop is data parallel: every rank
 draws the same global batch (same rng), takes its slice (`shard_batch`) and runs the step inside
@@ -22,6 +24,7 @@ seed -> same anchors) and runs the same schedule for the same number of steps.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -254,6 +257,16 @@ def evaluate(drafter: BlockDrafter, method: RepairMethod, val: list[Sequence], s
     return out
 
 
+@functools.lru_cache(maxsize=None)
+def source_digest(root: Path = Path(__file__).resolve().parents[1]) -> str:
+    """sha256 of a package's Python source (default: drelay's), part of what a checkpoint must match."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(path.relative_to(root).as_posix().encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
 def weights_digest(module: torch.nn.Module) -> str:
     """sha256 of a module's weights: a checkpoint never resumes on top of a different starting drafter."""
     digest = hashlib.sha256()
@@ -299,7 +312,8 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
         seed: int, settings_key=None, log: Logger | None = None, progress: Progress | None = None) -> FitResult:
     """Train `drafter` and `method` together in place (see the module docstring). Writes the drafter to
     `drafter_dir` and the method's weights (if it has any) to its folder under `method_dir`.
-    settings_key: the method's own settings, part of what a checkpoint must match to be resumed.
+    settings_key: the method's own settings, part of what a checkpoint must match to be resumed (with the
+    loop settings, the data size, the starting drafter's weights and `source_digest()`).
     Under torchrun every rank calls it with the same arguments (`log` and `progress` matter on rank 0)."""
     log = log or (lambda metrics, step: None)
     rank, world = distributed.rank(), distributed.world_size()
@@ -307,7 +321,8 @@ def fit(drafter: BlockDrafter, method: RepairMethod, train: list[Sequence], val:
     drafter_dir, ckpt_dir = Path(drafter_dir), Path(checkpoint_dir)
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     blob = json.dumps([method.name, settings_key, dataclasses.asdict(s), dataclasses.asdict(drafter.config),
-                       len(train), pool_size, seed, weights_digest(drafter)], sort_keys=True, default=str)
+                       len(train), pool_size, seed, weights_digest(drafter), source_digest()], sort_keys=True,
+                      default=str)
     state_hash = hashlib.sha256(blob.encode()).hexdigest()[:16]
     modules = [drafter, method]
     groups = [{"params": [p for p in m.parameters() if p.requires_grad],

@@ -5,6 +5,7 @@ from drelay.config import TrainConfig
 from drelay.data.records import split_sequences
 from drelay.models.drafter import BlockDrafter
 from drelay.training.distill import generate_batch
+from drelay.training import trainer
 from drelay.training.trainer import CHECKPOINT, LoopSettings, lr_at, train_dflash
 from tests.conftest import make_tiny_target
 
@@ -76,6 +77,32 @@ def test_a_killed_run_resumes_from_its_checkpoint_and_ends_where_an_uninterrupte
     assert result.resumed_from == 4 and result.steps == 12
     for (name, a), b in zip(straight.state_dict().items(), resumed.state_dict().values()):
         torch.testing.assert_close(a, b, msg=name)
+
+
+def test_a_finished_run_is_reloaded_only_under_the_same_library_code(setup, tmp_path, monkeypatch):
+    """Re-run with everything the same, a finished run reloads its last step; after a change to drelay's
+    source (what makes DVC re-run a stage) it trains again."""
+    target, train, val = setup
+    train_dflash(_fresh(target), train, val, _cfg(tmp_path, max_steps=4), pool_size=4, seed=0)
+    again = train_dflash(_fresh(target), train, val, _cfg(tmp_path, max_steps=4), pool_size=4, seed=0)
+    assert (again.resumed_from, again.steps) == (4, 4)
+    monkeypatch.setattr(trainer, "source_digest", lambda: "the digest of edited code")
+    edited = train_dflash(_fresh(target), train, val, _cfg(tmp_path, max_steps=4), pool_size=4, seed=0)
+    assert (edited.resumed_from, edited.steps) == (0, 4)
+
+
+def test_the_source_digest_follows_every_python_file_of_the_package(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "a.py").write_text("x = 1\n")
+    (package / "sub" / "b.py").write_text("y = 2\n")
+    (package / "notes.txt").write_text("not code")
+    before = trainer.source_digest(package)
+    (package / "notes.txt").write_text("still not code")
+    assert trainer.source_digest.__wrapped__(package) == before
+    (package / "sub" / "b.py").write_text("y = 3\n")
+    assert trainer.source_digest.__wrapped__(package) != before
+    assert trainer.source_digest() == trainer.source_digest.__wrapped__()  # drelay's own, cached per process
 
 
 def test_changed_settings_do_not_resume_and_a_corrupt_checkpoint_is_a_clear_error(setup, tmp_path):
