@@ -176,7 +176,7 @@ class RepairHead(EmbeddingBoundFolder, RepairMethod):
         return cls.for_drafter(drafter, pool_size=pool_size, **dataclasses.asdict(settings))
 
     def joint_loss(self, drafter, hidden, labels, anchor_ids, *, gamma, progress):
-        logits = F.linear(drafter.norm(hidden), drafter.head_weight())  # (..., n, C): the ids the drafter scores
+        logits, _ = drafter.scored_logits(hidden, labels, IGNORE)  # (..., n, C): the ids the drafter scores
         return self.training_loss(hidden, logits, labels, anchor_ids, gamma=gamma, progress=progress,
                                   columns=drafter.vocab_ids)
 
