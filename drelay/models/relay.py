@@ -69,7 +69,10 @@ class RelayConfig:
     bilinear_rank: int = 64  # rank of the candidate x prefix-state bilinear score term (0: none)
     dropout: float = 0.0
     # v2 parts (DESIGN §1.3-§1.4); the defaults are drelay-lite, so relays saved before v2 load as they were
-    vocab_size: int = 0  # V: rows of the token tables and the lattice (needed when either is on)
+    vocab_size: int = 0  # V: the ids the token tables and the lattice take (needed when either is on)
+    table_rows: int = 0  # rows of those tables: 0, one per id (V); N + 1 with a draft vocabulary of N ids: one
+    # per draft id plus one shared by every other id (candidates are always draft ids; a predecessor or the
+    # anchor may not be); TableRows' `row_of` buffer maps an id to its row.
     token_rank: int = 0  # learned token tables T_c (reader) and T_in (prefix) of rank token_rank (0: none)
     lattice_rank: int = 0  # transition lattice P, S (V x r), W_h (H -> r) inside σ (0: none)
     lattice_messages: bool = False  # forward/backward lattice messages as reader inputs
@@ -94,20 +97,54 @@ class RelayConfig:
             raise ValueError("lattice_messages, lattice_bigram and lattice_pool need lattice_rank >= 1")
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
+        if not 0 <= self.table_rows <= self.vocab_size + 1:
+            raise ValueError(f"table_rows must be in [0, vocab_size + 1], got {self.table_rows}")
+
+
+class TableRows(nn.Module):
+    """Which row of a token-indexed table an id reads: the id itself (rows = 0: one row per id), or, for
+    tables sized to a draft vocabulary of N ids (rows = N + 1), a buffer (V,) mapping the draft ids to 0..N-1
+    in id order and every other id to row N. Filled by `set_vocabulary`; a saved relay carries it."""
+
+    def __init__(self, vocab_size: int, rows: int):
+        super().__init__()
+        self.count, self.compact = rows or vocab_size, bool(rows)
+        if rows:
+            self.register_buffer("row_of", torch.zeros(vocab_size, dtype=torch.long))
+
+    def set_vocabulary(self, vocab_ids: torch.Tensor) -> None:
+        if not self.compact or vocab_ids.numel() != self.count - 1:
+            raise RelayError(f"a table of {self.count} rows cannot hold a draft vocabulary of "
+                             f"{vocab_ids.numel()} ids")
+        self.row_of.fill_(self.count - 1)
+        self.row_of[vocab_ids.to(self.row_of.device)] = torch.arange(self.count - 1, device=self.row_of.device)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.row_of[ids] if self.compact else ids
+
+    def of_vocabulary(self, ids: torch.Tensor) -> slice | torch.Tensor:
+        """The rows of `ids` (N_ids,) as an index: the slice :N when they are the draft vocabulary itself (a view,
+        no copy), else a tensor of rows."""
+        if self.compact and ids.numel() == self.count - 1 and torch.equal(
+                self.row_of[ids], torch.arange(ids.numel(), device=ids.device)):
+            return slice(0, ids.numel())
+        return self(ids)
 
 
 class TokenTable(nn.Module):
-    """A learned token table of rank r (V x r, zero-initialised, then r -> d): token identity in a space of
-    its own, not only through the frozen target embedding the drafter's logits come from."""
+    """A learned token table of rank r (V x r, or one row per draft id + one: TableRows; zero-initialised,
+    then r -> d): token identity in a space of its own, not only through the frozen target embedding the
+    drafter's logits come from."""
 
-    def __init__(self, vocab_size: int, rank: int, dim: int):
+    def __init__(self, vocab_size: int, rank: int, dim: int, rows: int = 0):
         super().__init__()
-        self.table = nn.Embedding(vocab_size, rank)
+        self.index = TableRows(vocab_size, rows)
+        self.table = nn.Embedding(self.index.count, rank)
         nn.init.zeros_(self.table.weight)  # an untrained table adds nothing
         self.proj = nn.Linear(rank, dim, bias=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.proj(self.table(ids))
+        return self.proj(self.table(self.index(ids)))
 
 
 class Lattice(nn.Module):
@@ -116,10 +153,11 @@ class Lattice(nn.Module):
     gradients are not vanishingly small. bigram: W_h gets a bias b starting at 1, so the lattice holds a
     plain low-rank bigram <P[p] ⊙ b, S[c]> (DSpark's Markov term) that the hidden state modulates."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int, bigram: bool = False):
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, bigram: bool = False, rows: int = 0):
         super().__init__()
-        self.predecessor = nn.Parameter(torch.randn(vocab_size, rank))  # P
-        self.successor = nn.Parameter(torch.zeros(vocab_size, rank))  # S
+        self.index = TableRows(vocab_size, rows)
+        self.predecessor = nn.Parameter(torch.randn(self.index.count, rank))  # P
+        self.successor = nn.Parameter(torch.zeros(self.index.count, rank))  # S
         self.hidden_proj = nn.Linear(hidden_size, rank, bias=bigram)  # W_h (+ b)
         if bigram:
             nn.init.ones_(self.hidden_proj.bias)
@@ -127,17 +165,21 @@ class Lattice(nn.Module):
 
     def query(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """P[p] ⊙ W_h h_i: predecessors (...), hidden (..., H) -> (..., r)."""
-        return self.predecessor[prev_ids] * self.hidden_proj(hidden)
+        return self.predecessor[self.index(prev_ids)] * self.hidden_proj(hidden)
 
     def forced(self, prev_ids: torch.Tensor, hidden: torch.Tensor, cand_ids: torch.Tensor) -> torch.Tensor:
         """Teacher-forced: predecessors (N, n), hidden (N, n, H), candidates (N, n, k) -> L (N, n, k), >= float32."""
-        return wide(torch.einsum("nir,nikr->nik", self.query(prev_ids, hidden), self.successor[cand_ids])) * self.scale
+        successor = self.successor[self.index(cand_ids)]
+        return wide(torch.einsum("nir,nikr->nik", self.query(prev_ids, hidden), successor)) * self.scale
 
     def vocabulary(self, prev_ids: torch.Tensor, hidden: torch.Tensor,
                    ids: torch.Tensor | None = None) -> torch.Tensor:
         """L_i(y_{i-1}, v) for every token v (or every v in `ids`, (N_ids,)): predecessors (N, n), hidden (N, n, H)
         -> (N, n, V or N_ids), >= float32."""
-        successor = self.successor if ids is None else self.successor[ids]
+        if ids is None:
+            successor = self.successor[self.index.row_of] if self.index.compact else self.successor
+        else:
+            successor = self.successor[self.index.of_vocabulary(ids)]
         return wide(self.query(prev_ids, hidden) @ successor.T) * self.scale
 
     def table(self, anchor_ids: torch.Tensor, pool_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -146,7 +188,7 @@ class Lattice(nn.Module):
         N, n, k = pool_ids.shape
         prev = torch.cat([anchor_ids.reshape(N, 1, 1).expand(N, 1, k), pool_ids[:, : n - 1]], dim=1)  # (N, n, k)
         query = self.query(prev, hidden[:, :, None])  # (N, n, k, r)
-        return wide(torch.einsum("nipr,nijr->nipj", query, self.successor[pool_ids])) * self.scale
+        return wide(torch.einsum("nipr,nijr->nipj", query, self.successor[self.index(pool_ids)])) * self.scale
 
 
 class EncoderLayer(nn.Module):
@@ -184,7 +226,8 @@ class GlobalReader(nn.Module):
         self.f = nn.Sequential(nn.Linear(1, d), nn.GELU(), nn.Linear(d, d))  # log-prob s -> d_r
         self.pos = nn.Parameter(torch.randn(cfg.block_size - 1, d) * 0.02)
         self.rank = nn.Parameter(torch.randn(cfg.pool_size, d) * 0.02)
-        self.tokens = TokenTable(cfg.vocab_size, cfg.token_rank, d) if cfg.token_rank else None  # T_c
+        self.tokens = (TokenTable(cfg.vocab_size, cfg.token_rank, d, cfg.table_rows)  # T_c
+                       if cfg.token_rank else None)
         self.messages = (nn.Sequential(nn.Linear(3, d), nn.GELU(), nn.Linear(d, d))  # lattice messages -> d_r
                          if cfg.lattice_messages else None)
         self.anchor_pos = nn.Parameter(torch.randn(d) * 0.02) if cfg.anchor_token else None
@@ -232,7 +275,8 @@ class CausalSelector(nn.Module):
         super().__init__()
         d = cfg.reader_dim
         self.embed_proj = nn.Linear(cfg.hidden_size, d, bias=False)
-        self.tokens = TokenTable(cfg.vocab_size, cfg.token_rank, d) if cfg.token_rank else None  # T_in
+        self.tokens = (TokenTable(cfg.vocab_size, cfg.token_rank, d, cfg.table_rows)  # T_in
+                       if cfg.token_rank else None)
         self.no_feature = nn.Parameter(torch.randn(d) * 0.02)  # the anchor, or a true token outside the pool
         self.kind = cfg.prefix_model
         self.prefix = (nn.GRU(d, d, batch_first=True) if self.kind == "gru"
@@ -345,20 +389,27 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         self.config = cfg
         self.reader = GlobalReader(cfg)
         self.selector = CausalSelector(cfg)
-        self.lattice = (Lattice(cfg.vocab_size, cfg.hidden_size, cfg.lattice_rank, cfg.lattice_bigram)
-                        if cfg.lattice_rank else None)
+        self.lattice = (Lattice(cfg.vocab_size, cfg.hidden_size, cfg.lattice_rank, cfg.lattice_bigram,
+                                cfg.table_rows) if cfg.lattice_rank else None)
         self.shared: SharedEmbedding | None = None
         self.ops: Ops = REFERENCE
         self.settings: DRelaySettings | None = None  # the joint objective's settings (set by `create`)
 
     @classmethod
     def for_drafter(cls, drafter: BlockDrafter, **kwargs) -> "DRelay":
-        """A fresh relay sized for `drafter`, on its device and dtype, bound to its embedding."""
-        embed = drafter.shared.embed_tokens
+        """A fresh relay sized for `drafter`, on its device and dtype, bound to its embedding. With a draft
+        vocabulary of N ids its token tables and lattice get N + 1 rows, not V (TableRows)."""
+        embed, vocab_ids = drafter.shared.embed_tokens, drafter.vocab_ids
+        if vocab_ids is not None:
+            kwargs = {"table_rows": vocab_ids.numel() + 1, **kwargs}
         cfg = RelayConfig(hidden_size=drafter.config.hidden_size, block_size=drafter.config.block_size,
                           vocab_size=embed.weight.shape[0], **kwargs)
         w = drafter.fc.weight
-        return cls(cfg).to(device=w.device, dtype=w.dtype).attach(embed)
+        relay = cls(cfg).to(device=w.device, dtype=w.dtype).attach(embed)
+        if cfg.table_rows:
+            for index in (m for m in relay.modules() if isinstance(m, TableRows)):
+                index.set_vocabulary(vocab_ids)
+        return relay
 
     @classmethod
     def _create(cls, drafter: BlockDrafter, settings: DRelaySettings, pool_size: int) -> "DRelay":

@@ -199,3 +199,56 @@ def test_replay_and_the_engine_hand_a_head_the_draft_vocabularys_logits_with_the
     method.select = lambda block, **kw: engine.append(block.logit_ids) or original(block, **kw)
     speculative_generate(target, narrow, [1, 5, 7, 9, 3], 12, method=method, pool_size=4)
     assert engine and all(torch.equal(ids, narrow.vocab_ids) for ids in engine)
+
+
+def test_a_relay_on_a_draft_vocabulary_has_a_table_row_per_draft_id_plus_one_and_scores_as_a_wide_one(tmp_path):
+    """DRelay's token tables and lattice on a drafter with N draft ids have N + 1 rows: one per draft id, one shared
+    by every other id (an anchor or a predecessor outside the vocabulary). A V-wide relay whose rows copy them
+    (every outside id the shared row) gives the same joint loss, terms and choices, and the compact rows' gradients
+    are the wide rows' summed by the row they read; saved and loaded, the relay keeps its row map."""
+    from drelay.config import DRelaySettings
+    from drelay.models.relay import DRelay
+    from drelay.models.repair import DraftBlock
+
+    target, full, narrow = _pair()
+    settings = DRelaySettings(reader_dim=32, reader_heads=4, token_rank=8, lattice_rank=16)
+    compact = DRelay.create(narrow, settings, pool_size=4, seed=0)
+    wide = DRelay.create(full, settings, pool_size=4, seed=0)
+    n = len(KEEP)
+    rows = compact.lattice.index.row_of
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[KEEP] = False
+    assert compact.config.table_rows == n + 1 and wide.config.table_rows == 0
+    assert rows[KEEP].tolist() == list(range(n)) and set(rows[outside].tolist()) == {n}
+    tables = ("lattice.predecessor", "lattice.successor", "reader.tokens.table.weight",
+              "selector.tokens.table.weight")
+    state = compact.state_dict()
+    assert all(state[name].shape[0] == n + 1 for name in tables) and wide.state_dict()[tables[0]].shape[0] == VOCAB
+    for name in tables:
+        torch.nn.init.normal_(state[name], std=0.5)  # S and the token tables start at 0: give them values
+    wide.load_state_dict({k: (v[rows] if k in tables else v) for k, v in state.items() if not k.endswith("row_of")})
+
+    hidden = torch.randn(2, 3, target.hidden_size)
+    labels = narrow.drafts_only_vocab(torch.tensor([[5, 13, 47], [21, 9, 2]]), IGNORE)
+    anchors = torch.tensor([9, 40])  # 9: outside the draft vocabulary, its lattice row is the shared one
+    losses = {}
+    for name, relay in (("compact", compact), ("wide", wide)):
+        loss, terms = relay.joint_loss(narrow, hidden, labels, anchors, gamma=4.0, progress=0.5)
+        grads = torch.autograd.grad(loss, [dict(relay.named_parameters())[t] for t in tables])
+        losses[name] = (loss, terms, grads)
+    torch.testing.assert_close(losses["compact"][0], losses["wide"][0])
+    for key, value in losses["wide"][1].items():
+        torch.testing.assert_close(losses["compact"][1][key], value)
+    for g_compact, g_wide in zip(losses["compact"][2], losses["wide"][2]):
+        torch.testing.assert_close(g_compact, torch.zeros_like(g_compact).index_add_(0, rows, g_wide))
+    assert losses["compact"][2][0][n].abs().sum() > 0  # the shared row learned from the outside anchor
+
+    with torch.no_grad():
+        _, pool_ids, pool_logprobs = narrow.pool(hidden, 4)
+        block = DraftBlock(anchors, anchors * 0, hidden, None, pool_ids, pool_logprobs)
+        chosen = compact.select(block)
+        torch.testing.assert_close(chosen, wide.select(block))
+        compact.save(tmp_path / "relay")
+        loaded = DRelay.load(tmp_path / "relay", target.embed_tokens)
+        assert loaded.lattice.index.row_of.tolist() == rows.tolist()
+        torch.testing.assert_close(loaded.select(block), chosen)
