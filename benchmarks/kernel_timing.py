@@ -1,7 +1,7 @@
 """Each Triton kernel against its pure-torch reference at paper shapes (B=16, k=8, H=4096, V=151,936).
 
-    python benchmarks/kernels.py            # CUDA: timing table; on CPU it says so and exits 0
-    python benchmarks/kernels.py --memory   # anywhere: memory saved by lm_head_topk / support_loss
+    python benchmarks/kernel_timing.py            # CUDA: timing table; on CPU it says so and exits 0
+    python benchmarks/kernel_timing.py --memory   # anywhere: memory saved by lm_head_topk / support_loss
 
 Timing: median over `--repeats` runs with CUDA events, inputs rotated over `--rotate` copies (so the
 logits of verify, ~10 MB a block, do not sit in the 50 MB L2 between runs), after warm-up (Triton
@@ -170,7 +170,7 @@ def main() -> int:
     if args.memory:
         return 0
     if not torch.cuda.is_available():
-        print("\nbenchmarks/kernels.py times the Triton kernels and needs CUDA; none here (--memory works anywhere).")
+        print("\nbenchmarks/kernel_timing.py times the Triton kernels and needs CUDA; none here (--memory works anywhere).")
         return 0
     print()
     print_timing(shapes, args.repeats, args.rotate)
