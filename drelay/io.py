@@ -1,5 +1,4 @@
-"""Reading and writing record files, finding data (the offline mirror first, then the HF hub), and
-matplotlib for the figures.
+"""Reading and writing record files, and finding data: the offline mirror first, then the HF hub.
 
 Record files are JSON Lines (one object per line, optionally gzipped) or one JSON array. Writes
 go to a temporary file that is renamed into place, so an interrupted write leaves nothing behind.
@@ -133,14 +132,3 @@ def folder_fingerprint(path: str | Path) -> str:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 digest.update(chunk)
     return digest.hexdigest()[:16]
-
-
-def pyplot():
-    """matplotlib's pyplot on the Agg backend, imported on first use: a stage process that imports a plotting
-    module but has not plotted yet does not pay its ~0.3 s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot
-
-    return matplotlib.pyplot

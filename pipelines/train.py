@@ -13,24 +13,24 @@ from pipelines.common import apply_run_settings, configure_environment, stage_ma
 configure_environment()
 
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
 
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 from prefect import flow, task  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from drelay.config import JOINT_METHODS, load_params  # noqa: E402
 from drelay.data.records import load_distilled, split_sequences  # noqa: E402
 from drelay.eval.live import live_compare  # noqa: E402
-from drelay.io import pyplot, read_jsonl  # noqa: E402
+from drelay.io import read_jsonl  # noqa: E402
 from drelay.models.drafter import BlockDrafter, DrafterError  # noqa: E402
 from drelay.models.methods import load_speculator  # noqa: E402
 from drelay.models.target import Target  # noqa: E402
 from drelay.training import distributed  # noqa: E402
 from drelay.training.trainer import FitResult, train_method  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
-
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
 
 PER_POSITION = ("accept", "pool_hit", "replace_rate", "repair_precision", "harm_rate")
 LOSS_TERMS = ("loss", "ce", "support", "hinge", "reader_bce", "repair",  # drelay
@@ -55,10 +55,10 @@ def oracle_gap_closed(tau: float, native_tau: float, oracle_tau: float) -> float
     return (tau - native_tau) / gap if gap > 1e-9 else 0.0
 
 
-def plot_joint(method: str, result: FitResult, curve: dict[str, list[tuple[int, float]]], path: Path) -> "Figure":
+def plot_joint(method: str, result: FitResult, curve: dict[str, list[tuple[int, float]]], path: Path) -> plt.Figure:
     """Loss terms, held-out τ over training, the final per-position statistics and (drelay) τ by δ."""
     final, history = result.final, result.history
-    fig, axes = pyplot().subplots(1, 4 if result.tuned else 3, figsize=(18 if result.tuned else 14, 3.8))
+    fig, axes = plt.subplots(1, 4 if result.tuned else 3, figsize=(18 if result.tuned else 14, 3.8))
     ax = axes[0]
     for name, points in curve.items():
         ax.plot(*zip(*points), label=name, alpha=0.8)

@@ -8,15 +8,18 @@ from pipelines.common import apply_run_settings, configure_environment, stage_ma
 configure_environment()
 
 from pathlib import Path  # noqa: E402
-from typing import TYPE_CHECKING  # noqa: E402
 
+import matplotlib  # noqa: E402
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
 from prefect import flow, task  # noqa: E402
 from tqdm import tqdm  # noqa: E402
 
 from drelay.config import load_params  # noqa: E402
 from drelay.data.records import load_distilled, response_token_counts, split_sequences  # noqa: E402
 from drelay.eval.live import live_compare  # noqa: E402
-from drelay.io import pyplot, read_jsonl  # noqa: E402
+from drelay.io import read_jsonl  # noqa: E402
 from drelay.models.drafter import BlockDrafter, draft_vocabulary  # noqa: E402
 from drelay.models.methods import Speculator  # noqa: E402
 from drelay.models.repair import Native  # noqa: E402
@@ -25,15 +28,12 @@ from drelay.training import distributed  # noqa: E402
 from drelay.training.trainer import train_dflash  # noqa: E402
 from pipelines.tracking import stage_run  # noqa: E402
 
-if TYPE_CHECKING:
-    from matplotlib.figure import Figure
-
 STAGE = "train_dflash"
 PLOT = Path("reports/train_dflash.png")
 
 
-def plot_history(history: list[dict], train_curve: list[tuple[int, float]], path: Path) -> "Figure":
-    fig, (ax_loss, ax_tau) = pyplot().subplots(1, 2, figsize=(10, 3.6))
+def plot_history(history: list[dict], train_curve: list[tuple[int, float]], path: Path) -> plt.Figure:
+    fig, (ax_loss, ax_tau) = plt.subplots(1, 2, figsize=(10, 3.6))
     if train_curve:
         ax_loss.plot(*zip(*train_curve), label="train", alpha=0.6)
     ax_loss.plot([h["step"] for h in history], [h["val_loss"] for h in history], "o-", label="held-out")

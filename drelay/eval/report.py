@@ -6,14 +6,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from drelay.decoding.replay import ReplayStats
-from drelay.eval.run import AR, EvalResult
-from drelay.io import pyplot
+import matplotlib
 
-if TYPE_CHECKING:
-    import matplotlib.pyplot as plt
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from drelay.decoding.replay import ReplayStats  # noqa: E402
+from drelay.eval.run import AR, EvalResult  # noqa: E402
 
 REPAIR_COLUMNS = (("pool_hit", "pool-hit"), ("replace_rate", "replace"), ("repair_precision", "precision"),
                   ("harm_rate", "harm"), ("oracle_gap_closed", "oracle gap closed vs dflash"))
@@ -150,7 +150,7 @@ def _save(fig: plt.Figure, path: str | Path) -> plt.Figure:
 def plot_tau(result: EvalResult, path: str | Path) -> plt.Figure:
     """Grouped bars: τ per benchmark (and mean) per method, one panel per temperature."""
     temps = list(result.tables)
-    fig, axes = pyplot().subplots(len(temps), 1, figsize=(13, 3.6 * len(temps)), squeeze=False)
+    fig, axes = plt.subplots(len(temps), 1, figsize=(13, 3.6 * len(temps)), squeeze=False)
     for ax, tkey in zip(axes[:, 0], temps):
         rows = result.tables[tkey]
         benches, methods = list(rows), [m for m in _methods(rows) if m != AR]
@@ -169,7 +169,7 @@ def plot_tau(result: EvalResult, path: str | Path) -> plt.Figure:
 def plot_acceptance(result: EvalResult, path: str | Path) -> plt.Figure:
     """Share of blocks whose draft at position i was accepted, all benchmarks pooled, per method."""
     temps = list(result.replay)
-    fig, axes = pyplot().subplots(1, len(temps), figsize=(6.5 * len(temps), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(temps), figsize=(6.5 * len(temps), 3.8), squeeze=False)
     for ax, tkey in zip(axes[0], temps):
         for m, stats in result.replay[tkey].items():
             blocks = float(stats.reached[0]) or 1.0
@@ -197,11 +197,11 @@ def plot_repair(result: EvalResult, path: str | Path, method: str = "drelay") ->
     (a figure that says so when `method` was not evaluated)."""
     temps = [t for t in result.replay if method in result.replay[t]]
     if not temps:
-        fig, ax = pyplot().subplots(figsize=(6, 2))
+        fig, ax = plt.subplots(figsize=(6, 2))
         ax.axis("off")
         ax.text(0.5, 0.5, f"{method} was not evaluated (eval.methods)", ha="center", va="center")
         return _save(fig, path)
-    fig, axes = pyplot().subplots(len(temps), 2, figsize=(13, 3.8 * len(temps)), squeeze=False)
+    fig, axes = plt.subplots(len(temps), 2, figsize=(13, 3.8 * len(temps)), squeeze=False)
     colors = ("tab:green", "tab:red", "tab:orange", "lightgray")
     for (ax, ax2), tkey in zip(axes, temps):
         outcomes = repair_outcomes(result.replay[tkey][method])
