@@ -15,6 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch
 
 from drelay.io import write_jsonl
 from drelay.models.target import make_tiny_random_target
@@ -138,3 +139,47 @@ def test_killed_distill_and_train_resume_without_redoing_finished_work(inputs_re
     metrics = json.loads((repo / "metrics/train_dflash.json").read_text())
     assert 2 <= metrics["resumed_from_step"] < 24 and metrics["steps"] == 24
     assert (repo / "models/drafter_kill/model.safetensors").is_file()
+
+
+def test_distill_and_train_dflash_under_torchrun_make_the_one_process_outputs(inputs_repo, env):
+    """The real stages asked for two processes (`--set run.nproc_per_node=2`): each launches itself under
+    torchrun (2 gloo ranks on the CPU) and ends with what the one-process stage makes: the same set of
+    distilled sequences, and after the same steps on the same global batch the same drafter weights."""
+    from safetensors.torch import load_file
+
+    from drelay.data.records import load_distilled
+
+    repo = inputs_repo
+    distill_args = ["--set", "distill.shard_size=2", "--set", "distill.batch_size=2", "--set",
+                    "distill.max_new_tokens=8"]
+    train_args = ["--set", "distill.out_dir=data/distill_p1", "--set", "train.max_steps=4", "--set",
+                  "train.eval_every=2", "--set", "train.checkpoint_every=100", "--set", "train.blocks_per_step=4"]
+    distilled, trained = {}, {}
+    for n in (1, 2):
+        run = _stage(repo, env, "distill", *distill_args, "--set", f"distill.out_dir=data/distill_p{n}",
+                     "--set", f"run.nproc_per_node={n}")
+        assert run.returncode == 0, run.stderr[-3000:]
+        distilled[n] = json.loads((repo / "metrics/distill.json").read_text())
+    for n in (1, 2):
+        run = _stage(repo, env, "train_dflash", *train_args, "--set", f"train.checkpoint_dir=checkpoints/p{n}",
+                     "--set", f"train.out_dir=models/drafter_p{n}", "--set", f"run.nproc_per_node={n}")
+        assert run.returncode == 0, run.stderr[-3000:]
+        trained[n] = json.loads((repo / "metrics/train_dflash.json").read_text())
+
+    assert (distilled[1]["processes"], distilled[2]["processes"]) == (1, 2)
+    assert distilled[2]["sequences"] == distilled[1]["sequences"] == distilled[1]["prompts"] > 4
+    one = {tuple(s.tokens.tolist()): s for s in load_distilled(repo / "data/distill_p1")}
+    two = {tuple(s.tokens.tolist()): s for s in load_distilled(repo / "data/distill_p2")}
+    assert len(one) == distilled[1]["sequences"] and one.keys() == two.keys()  # the same sequences, any order
+    for key, seq in one.items():
+        assert two[key].prompt_len == seq.prompt_len
+        torch.testing.assert_close(two[key].features, seq.features, rtol=1e-5, atol=1e-6)
+
+    assert (trained[1]["processes"], trained[2]["processes"]) == (1, 2)
+    assert trained[1]["steps"] == trained[2]["steps"] == 4
+    assert trained[1]["best_step"] == trained[2]["best_step"] >= 2  # the drafter written was trained, not the start
+    assert trained[2]["best_val_loss"] == pytest.approx(trained[1]["best_val_loss"], rel=1e-5)
+    weights = {n: load_file(repo / f"models/drafter_p{n}/model.safetensors") for n in (1, 2)}
+    assert weights[1].keys() == weights[2].keys() and len(weights[1]) > 5
+    for name, want in weights[1].items():
+        torch.testing.assert_close(weights[2][name], want, rtol=1e-5, atol=5e-6, msg=name)
