@@ -357,6 +357,8 @@ class DRelaySettings:
     # block (renormalised per block) | expected (x reachability, no renormalisation: collapses, see relay_loss.py)
     repair_weight: float = 1.0  # weight of repair cases (native wrong, true token in the pool) in the repair CE;
     # 2.0 measured worse on the joint test's phrase data (held-out selector accuracy 0.79 -> 0.46-0.61)
+    repair_positions: int = 0  # the repair CE over the first n draft positions only (0: all of them); with
+    # decode.verify_size V the target never checks positions past V - 1
     beam_width: int = 1  # inference: a beam over the block maximising the expected accepted length (1: greedy walk)
     repair_margins: tuple[float, ...] = (-1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0)  # δ candidates; the best
     # held-out replay τ is kept
@@ -365,7 +367,8 @@ class DRelaySettings:
         _require(self.reader_dim >= 1, "reader_dim", ">= 1", self.reader_dim)
         _require(self.reader_heads >= 1, "reader_heads", ">= 1", self.reader_heads)
         for key in ("reader_layers", "bilinear_rank", "lambda_support", "lambda_repair", "hinge_margin",
-                    "token_rank", "lattice_rank", "lattice_ce", "ce_weight_final", "repair_weight"):
+                    "token_rank", "lattice_rank", "lattice_ce", "ce_weight_final", "repair_weight",
+                    "repair_positions"):
             _require(getattr(self, key) >= 0, key, ">= 0", getattr(self, key))
         _require(0 < self.eps <= 1, "eps", "in (0, 1]", self.eps)
         _require(self.reader_dim % self.reader_heads == 0, "reader_heads",

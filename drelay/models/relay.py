@@ -517,7 +517,8 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         loss, terms = drelay_loss_from_terms(ce, hinge, labels, sigma, support, pool_ids,
                                              lambda_support=cfg.lambda_support, lambda_repair=cfg.lambda_repair,
                                              eps=cfg.eps, ce_weight=1.0 + (cfg.ce_weight_final - 1.0) * progress,
-                                             repair_weight=cfg.repair_weight, omega=cfg.omega)
+                                             repair_weight=cfg.repair_weight, omega=cfg.omega,
+                                             positions=cfg.repair_positions)
         if cfg.lattice_ce and self.lattice is not None:
             lattice_ce = self.lattice_ce(hidden, logits if cfg.lattice_coadapt else logits.detach(), labels,
                                          anchor_ids, gamma, drafter)

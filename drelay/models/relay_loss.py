@@ -91,19 +91,23 @@ def drelay_loss(logits: torch.Tensor, labels: torch.Tensor, sigma: torch.Tensor,
 def drelay_loss_from_terms(ce: torch.Tensor, hinge: torch.Tensor, labels: torch.Tensor, sigma: torch.Tensor,
                            support_logits: torch.Tensor, pool_ids: torch.Tensor, *, lambda_support: float = 1.0,
                            lambda_repair: float = 1.0, eps: float = 1e-2, ce_weight: float = 1.0,
-                           repair_weight: float = 1.0, omega: str = "block"
+                           repair_weight: float = 1.0, omega: str = "block", positions: int = 0
                            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """`drelay_loss` with its vocabulary-sized terms (`dflash_ce`, `support_hinge`) already computed, e.g.
     by the fused support_loss kernel, which never materialises the logits. ce_weight: w_ce (the CE
     schedule's value now); repair_weight: see `repair_loss`; omega: "block" (renormalised per block,
     drelay-lite), "reach" (x reachability, renormalised over the reachable positions) or "expected"
-    (x reachability, not renormalised: see `prefix_weights`)."""
+    (x reachability, not renormalised: see `prefix_weights`); positions: the repair CE over the first
+    `positions` positions of each block only (0: all)."""
     bce = reader_bce(support_logits, pool_ids, labels)
     index, in_pool = pool_index(pool_ids, labels)
     pi = torch.softmax(sigma.detach().float(), -1).gather(-1, index[..., None]).squeeze(-1) * in_pool
     if omega not in OMEGA_MODES:
         raise ValueError(f"omega must be one of {', '.join(OMEGA_MODES)}, got {omega!r}")
-    weights = prefix_weights(pi, eps, valid=labels != IGNORE, normalize=omega != "expected",
+    valid = labels != IGNORE
+    if positions:
+        valid = valid & (torch.arange(labels.shape[-1], device=labels.device) < positions)
+    weights = prefix_weights(pi, eps, valid=valid, normalize=omega != "expected",
                              reachable=None if omega == "block" else reachable_positions(in_pool))
     repair = repair_loss(sigma, pool_ids, labels, weights, repair_weight)
     support = hinge + bce

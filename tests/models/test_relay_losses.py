@@ -14,7 +14,7 @@ from drelay.models.relay import DRelay, RelayConfig
 from drelay.kernels.reference import candidate_pool
 from drelay.data.records import IGNORE, make_batch
 from drelay.training.distill import generate_batch
-from drelay.models.relay_loss import drelay_loss, prefix_weights, reader_bce, repair_loss
+from drelay.models.relay_loss import drelay_loss, drelay_loss_from_terms, prefix_weights, reader_bce, repair_loss
 from drelay.kernels.reference import pool_index, support_hinge
 from tests.conftest import make_tiny_target
 
@@ -99,6 +99,31 @@ def test_repair_loss_is_omega_weighted_ce_over_in_pool_positions():
     torch.testing.assert_close(repair_loss(sigma, pool, labels, omega), expected)
     index, in_pool = pool_index(pool, labels)
     assert index.tolist() == [[2, 1, 0], [2, 0, 0]] and in_pool.tolist() == [[True, True, False], [True, False, False]]
+
+
+@pytest.mark.parametrize("omega", ["reach", "block"])
+def test_repair_positions_limit_the_repair_ce_to_the_first_positions(omega):
+    """joint.drelay.repair_positions = n: the repair CE of a block is the one of its first n positions alone
+    (what the target checks when decode.verify_size is n + 1); the later positions get no repair gradient,
+    while the CE, hinge and reader terms still cover every position."""
+    gen = torch.Generator().manual_seed(3)
+    N, n, k, n_keep = 5, 6, 4, 2
+    pool = torch.stack([torch.randperm(40, generator=gen)[:k] for _ in range(N * n)]).view(N, n, k)
+    labels = torch.where(torch.rand(N, n, generator=gen) < 0.8, pool[..., 0], pool[..., 2])
+    labels[0, 1] = 99  # outside the pool: position 2 of block 0 unreachable
+    sigma = torch.randn(N, n, k, generator=gen, requires_grad=True)
+    support = torch.randn(N, n, k, generator=gen)
+    ce, hinge = torch.tensor(1.25), torch.tensor(0.5)
+    kw = dict(lambda_support=0.1, lambda_repair=1.0, omega=omega)
+    loss, cut = drelay_loss_from_terms(ce, hinge, labels, sigma, support, pool, positions=n_keep, **kw)
+    _, first = drelay_loss_from_terms(ce, hinge, labels[:, :n_keep], sigma[:, :n_keep], support[:, :n_keep],
+                                      pool[:, :n_keep], **kw)
+    _, every = drelay_loss_from_terms(ce, hinge, labels, sigma, support, pool, **kw)
+    torch.testing.assert_close(cut["repair"], first["repair"])
+    assert not torch.isclose(cut["repair"], every["repair"])  # the later positions counted before
+    torch.testing.assert_close(cut["reader_bce"], every["reader_bce"])  # the reader still learns every position
+    (grad,) = torch.autograd.grad(loss, sigma)  # σ reaches the loss through the repair CE alone
+    assert grad[:, n_keep:].abs().max() == 0 and grad[:, :n_keep].abs().max() > 0
 
 
 def _nonzero_grad(module: nn.Module) -> dict[str, bool]:
