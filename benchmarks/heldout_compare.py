@@ -6,15 +6,19 @@ distilled data (train.val_fraction, run.seed: the split the train@ stages evalua
 method along the same sequences (T = 0, exact) at train.precision, and prints per method: τ, the
 difference to `--focus` with its 95% bootstrap interval over sequences, the native τ of its own
 backbone, the oracle τ, the oracle gap closed (vs the dflash continuation), replace rate, repair
-precision, harm, and τ per block position. Writes the numbers as JSON with `--out`.
+precision, harm, and τ per block position. `--margins`: also every relay (drelay, drelay-lite) at each δ of its
+grid (`repair_margins`), with whole blocks and with the evaluation's decode.verify_size (the train@ stage picks δ
+on whole blocks). Writes the numbers as JSON with `--out`.
 
-    .venv/bin/python benchmarks/heldout_compare.py [--params P] [--focus drelay] [--out FILE]
+    .venv/bin/python benchmarks/heldout_compare.py [--params P] [--focus drelay] [--margins] [--joint-dir D]
+        [--out FILE]
     (run it where the pipeline ran: the repo root, or runs/<profile>/)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -36,14 +40,18 @@ def main() -> None:
     ap.add_argument("--focus", default="drelay", help="the method every other is compared with")
     ap.add_argument("--methods", nargs="*", help="default: joint.methods")
     ap.add_argument("--sequences", type=int, default=0, help="held-out sequences to replay (0: all)")
+    ap.add_argument("--margins", action="store_true", help="also each relay at every δ of its grid, whole blocks "
+                    "and decode.verify_size")
+    ap.add_argument("--joint-dir", type=Path, help="the methods' folders (default: joint.common.out_dir; "
+                    "models/variants/<name> for benchmarks/train_variant.py's)")
     ap.add_argument("--out", type=Path, help="write the numbers as JSON here")
     args = ap.parse_args()
     params, target, val = load_workspace(args.params)
     val = val[: args.sequences or None]
-    joint_dir, pool = Path(params.joint.common.out_dir), params.decode.pool_size
+    joint_dir, pool = args.joint_dir or Path(params.joint.common.out_dir), params.decode.pool_size
     names = args.methods or list(params.joint.methods)
     autocast = params.train.precision == "bfloat16"
-    rows, taus = {}, {}
+    rows, taus, margins = {}, {}, {}
     for name in names:
         t0 = time.perf_counter()
         spec = load_speculator(target, joint_dir, name)
@@ -57,6 +65,8 @@ def main() -> None:
                       "seconds": time.perf_counter() - t0}
         taus[name] = {"val": stats[name].taus}
         print(f"{name}: τ {s['tau']:.3f} ({rows[name]['seconds']:.0f} s)", file=sys.stderr, flush=True)
+        if args.margins and hasattr(getattr(spec.method, "config", None), "repair_margin"):
+            margins[name] = margin_taus(spec, params, val, pool, autocast)
     base = rows.get("dflash")
     for name, row in rows.items():
         if base is not None:
@@ -77,8 +87,35 @@ def main() -> None:
               f"{r.get('oracle_gap_closed', float('nan')):+.3f} | {r.get('replace_rate', 0):.3f} | "
               f"{r.get('repair_precision', 0):.3f} | {r.get('harm_rate', 0):.3f} | "
               f"{' '.join(f'{a:.2f}' for a in r['accept_pos'])} |")
+    sizes = [f"V={v or 'all'}" for v in verify_sizes(params)]
+    for name, by_margin in margins.items():
+        trained = rows[name]["tuned_margin"] = next(m for m, r in by_margin.items() if r["tuned"])
+        print(f"\n{name} at each δ (tuned on whole blocks: {trained:g}); V: drafts checked + 1\n")
+        print("| δ | " + " | ".join(sizes) + " |\n|---|" + "---|" * len(sizes))
+        for m, r in by_margin.items():
+            print(f"| {m:g} | " + " | ".join(f"{r[c]:.4f}" for c in sizes) + " |")
     if args.out:
-        args.out.write_text(json.dumps({"sequences": len(val), "rows": rows}, indent=1))
+        args.out.write_text(json.dumps({"sequences": len(val), "rows": rows, "margins": margins}, indent=1))
+
+
+def verify_sizes(params) -> list[int]:
+    """Whole blocks (0), then the evaluation's decode.verify_size where it checks fewer."""
+    return [0, params.decode.verify_size] if params.decode.verify_size else [0]
+
+
+def margin_taus(spec: Speculator, params, val: list, pool: int, autocast: bool) -> dict[float, dict]:
+    """{δ: {"V=all": τ, "V=<verify_size>": τ, "tuned": bool}} for a relay at every δ of its grid; the relay
+    is left at its tuned δ."""
+    tuned = spec.method.config.repair_margin
+    grid = spec.method.settings.repair_margins if spec.method.settings else params.joint.drelay.repair_margins
+    out = {}
+    for m in sorted(set(grid) | {tuned}):
+        spec.method.config = dataclasses.replace(spec.method.config, repair_margin=float(m))
+        out[float(m)] = {f"V={v or 'all'}": replay_methods({"m": spec}, val, pool, autocast=autocast,
+                                                           verify_size=v)["m"].tau for v in verify_sizes(params)}
+        out[float(m)]["tuned"] = m == tuned
+    spec.method.config = dataclasses.replace(spec.method.config, repair_margin=tuned)
+    return out
 
 
 if __name__ == "__main__":
