@@ -444,29 +444,37 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         """A lattice pool is drawn from the whole vocabulary: the engine must hand over the logits."""
         return self.config.lattice_pool
 
+    @property
+    def narrow_logits(self) -> bool:
+        """A lattice pool also takes the logits over the draft vocabulary only (block.logit_ids): every other
+        id's logit is OUT_OF_VOCAB, never in a top-k, so the pool is the same at a fraction of the cost."""
+        return self.config.lattice_pool
+
     def lattice_pool(self, logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
-                     prefix_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """The pool of config.lattice_pool: logits (N, n, V), hidden (N, n, H), anchor_ids (N,) -> pool_ids,
+                     prefix_ids: torch.Tensor | None = None,
+                     ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool of config.lattice_pool: logits (N, n, C), hidden (N, n, H), anchor_ids (N,) -> pool_ids,
         pool_logprobs (N, n, k). Candidates are the top-k of z_i + L_i(p, ·) over the vocabulary (the bigram
         the lattice CE trains reaches tokens outside z_i's own top-k), sorted by it, so column 0 is the
         lattice's native; their s is still log_softmax(z_i) (σ adds the lattice term after the selected
         predecessor itself). p = y_{i-1} teacher-forced (prefix_ids (N, n), training), else the previous
-        position's lattice native (inference: the pool is fixed before the selector walks)."""
+        position's lattice native (inference: the pool is fixed before the selector walks). ids (C,): the
+        token id of each column of `logits` (a draft vocabulary's; None: column j is token j)."""
         N, n, _ = logits.shape
         k, dtype = self.config.pool_size, self.reader.A.weight.dtype
         logprobs = torch.log_softmax(wide(logits), dim=-1)
         hidden = hidden.to(dtype)
         if prefix_ids is not None:
             prev = torch.cat([anchor_ids.reshape(N, 1), prefix_ids[:, : n - 1].clamp(min=0)], dim=1)
-            pool_ids = (logprobs + self.lattice.vocabulary(prev, hidden)).topk(k, dim=-1).indices
+            cols = (logprobs + self.lattice.vocabulary(prev, hidden, ids)).topk(k, dim=-1).indices
         else:
             columns, prev = [], anchor_ids.reshape(N)
             for i in range(n):
-                corrected = logprobs[:, i] + self.lattice.vocabulary(prev[:, None], hidden[:, i: i + 1])[:, 0]
-                columns.append(corrected.topk(k, dim=-1).indices)  # (N, k)
-                prev = columns[-1][:, 0]
-            pool_ids = torch.stack(columns, dim=1)
-        return pool_ids, logprobs.gather(-1, pool_ids)
+                corrected = logprobs[:, i] + self.lattice.vocabulary(prev[:, None], hidden[:, i: i + 1], ids)[:, 0]
+                columns.append(corrected.topk(k, dim=-1).indices)  # (N, k) column indices
+                prev = columns[-1][:, 0] if ids is None else ids[columns[-1][:, 0]]
+            cols = torch.stack(columns, dim=1)
+        return (cols if ids is None else ids[cols]), logprobs.gather(-1, cols)
 
     # ------------------------------------------------------------------ the repair-method interface
     def joint_loss(self, drafter, hidden, labels, anchor_ids, *, gamma, progress):
@@ -501,11 +509,10 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
                 logits = F.linear(normed, weight)  # made the logits: the lattice's terms need them
         if self.config.lattice_pool:  # teacher-forced: the pool after the true predecessor (over all V)
             n, lead = labels.shape[-1], labels.shape[:-1]
-            wide_logits = logits.detach() if columns is None else drafter.widen(logits.detach())
-            with torch.no_grad():
-                pool_ids, pool_logprobs = self.lattice_pool(wide_logits.reshape(-1, n, wide_logits.shape[-1]),
+            with torch.no_grad():  # over the drafter's columns (its draft vocabulary's, when it has one)
+                pool_ids, pool_logprobs = self.lattice_pool(logits.detach().reshape(-1, n, logits.shape[-1]),
                                                             hidden.detach().reshape(-1, n, hidden.shape[-1]),
-                                                            anchor_ids.reshape(-1), labels.reshape(-1, n))
+                                                            anchor_ids.reshape(-1), labels.reshape(-1, n), columns)
             pool_ids, pool_logprobs = pool_ids.view(*lead, n, k), pool_logprobs.view(*lead, n, k)
             pool_cols = drafter.draft_positions(pool_ids, IGNORE).clamp(min=0)
         z_pool = None
@@ -651,7 +658,8 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         if self.config.lattice_pool:
             if block.logits is None:
                 raise RelayError("a lattice-pool relay needs the block's logits (the engine gives them: needs_logits)")
-            pool_ids, pool_logprobs = self.lattice_pool(block.logits, block.hidden, block.anchor_ids)
+            pool_ids, pool_logprobs = self.lattice_pool(block.logits, block.hidden, block.anchor_ids,
+                                                        ids=block.logit_ids)
         else:
             pool_ids, pool_logprobs = block.pool_ids, block.pool_logprobs
         # the walk stops at the last draft the target checks (block.checked): the walk is causal, so its choices

@@ -14,7 +14,7 @@ import torch
 from drelay.config import DRelayLiteSettings, DRelaySettings, JointConfig, load_params, to_dict
 from drelay.data.records import make_batch
 from drelay.kernels.reference import candidate_pool, dflash_ce, lattice_messages
-from drelay.models.drafter import BlockDrafter
+from drelay.models.drafter import OUT_OF_VOCAB, BlockDrafter
 from drelay.models.methods import create_method
 from drelay.models.relay import DRelay, DRelayLite, Lattice
 from drelay.models.relay_loss import prefix_weights, reachable_positions
@@ -216,6 +216,34 @@ def test_a_lattice_pool_is_the_top_k_of_the_corrected_logits_after_its_own_nativ
     with pytest.raises(Exception, match="logits"):
         relay.select(DraftBlock(anchors, anchors * 0, hidden, None, plain_ids, plain_lp))
 
+
+
+def test_a_lattice_pool_over_a_draft_vocabulary_is_the_pool_over_all_ids():
+    """narrow_logits: the lattice pool over the draft vocabulary's columns (block.logit_ids) is the pool over all V
+    whose other ids have the OUT_OF_VOCAB logit, teacher-forced and walked, and select picks the same tokens."""
+    settings = DRelaySettings(reader_dim=32, reader_heads=4, lattice_rank=8, lattice_pool=True, lattice_bigram=True)
+    drafter, relay, batch = _joint(settings)
+    assert relay.narrow_logits
+    torch.nn.init.normal_(relay.lattice.successor, std=10.0)
+    hidden = block_hidden(drafter, batch).detach()
+    b, nA, n, H = hidden.shape
+    hidden, anchors = hidden.reshape(b * nA, n, H), batch.anchor_ids.reshape(-1)
+    vocab = relay.config.vocab_size
+    vocab_ids = torch.randperm(vocab)[: vocab // 2].sort().values
+    narrow = drafter.logits(hidden).detach()[..., vocab_ids]
+    wide = torch.full((*narrow.shape[:-1], vocab), OUT_OF_VOCAB).index_copy(-1, vocab_ids, narrow)
+    with torch.no_grad():
+        for prefix in (None, batch.labels.reshape(-1, n)):
+            ids_w, lp_w = relay.lattice_pool(wide, hidden, anchors, prefix)
+            ids_n, lp_n = relay.lattice_pool(narrow, hidden, anchors, prefix, ids=vocab_ids)
+            assert torch.equal(ids_w, ids_n) and bool(torch.isin(ids_n, vocab_ids).all())
+            torch.testing.assert_close(lp_w, lp_n)
+        pool_ids, pool_lp = candidate_pool(narrow, relay.config.pool_size)
+        from drelay.models.repair import DraftBlock
+        tokens_w = relay.select(DraftBlock(anchors, anchors * 0, hidden, wide, vocab_ids[pool_ids], pool_lp))
+        tokens_n = relay.select(DraftBlock(anchors, anchors * 0, hidden, narrow, vocab_ids[pool_ids], pool_lp,
+                                           logit_ids=vocab_ids))
+    assert torch.equal(tokens_w, tokens_n)
 
 def test_the_ce_weight_falls_to_its_final_value_over_training():
     drafter, relay, batch = _joint(DRelaySettings(reader_dim=32, reader_heads=4, ce_weight_final=0.25, lattice_ce=0.0))
