@@ -507,9 +507,9 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         if logits is None and (self.config.lattice_pool or (cfg.lattice_ce and self.lattice is not None)):
             with torch.set_grad_enabled(cfg.lattice_coadapt and torch.is_grad_enabled()):  # the fused op never
                 logits = F.linear(normed, weight)  # made the logits: the lattice's terms need them
-        if self.config.lattice_pool:  # teacher-forced: the pool after the true predecessor (over all V)
+        if self.config.lattice_pool:  # teacher-forced: the pool after the true predecessor, over the drafter's columns
             n, lead = labels.shape[-1], labels.shape[:-1]
-            with torch.no_grad():  # over the drafter's columns (its draft vocabulary's, when it has one)
+            with torch.no_grad():
                 pool_ids, pool_logprobs = self.lattice_pool(logits.detach().reshape(-1, n, logits.shape[-1]),
                                                             hidden.detach().reshape(-1, n, hidden.shape[-1]),
                                                             anchor_ids.reshape(-1), labels.reshape(-1, n), columns)

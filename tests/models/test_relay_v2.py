@@ -18,6 +18,7 @@ from drelay.models.drafter import OUT_OF_VOCAB, BlockDrafter
 from drelay.models.methods import create_method
 from drelay.models.relay import DRelay, DRelayLite, Lattice
 from drelay.models.relay_loss import prefix_weights, reachable_positions
+from drelay.models.repair import DraftBlock
 from drelay.training.distill import generate_batch
 from drelay.training.trainer import block_hidden
 from tests.conftest import make_tiny_target
@@ -209,13 +210,11 @@ def test_a_lattice_pool_is_the_top_k_of_the_corrected_logits_after_its_own_nativ
                                    progress=0.0)
     loss.backward()
     assert bool(torch.isfinite(loss)) and float(relay.lattice.successor.grad.abs().sum()) > 0
-    from drelay.models.repair import DraftBlock
     block = DraftBlock(anchors, anchors * 0, hidden, logits, plain_ids, plain_lp)
     tokens = relay.select(block)
     assert bool((ids == tokens[..., None]).any(-1).all())  # every choice is from the relay's own pool
     with pytest.raises(Exception, match="logits"):
         relay.select(DraftBlock(anchors, anchors * 0, hidden, None, plain_ids, plain_lp))
-
 
 
 def test_a_lattice_pool_over_a_draft_vocabulary_is_the_pool_over_all_ids():
@@ -239,11 +238,11 @@ def test_a_lattice_pool_over_a_draft_vocabulary_is_the_pool_over_all_ids():
             assert torch.equal(ids_w, ids_n) and bool(torch.isin(ids_n, vocab_ids).all())
             torch.testing.assert_close(lp_w, lp_n)
         pool_ids, pool_lp = candidate_pool(narrow, relay.config.pool_size)
-        from drelay.models.repair import DraftBlock
         tokens_w = relay.select(DraftBlock(anchors, anchors * 0, hidden, wide, vocab_ids[pool_ids], pool_lp))
         tokens_n = relay.select(DraftBlock(anchors, anchors * 0, hidden, narrow, vocab_ids[pool_ids], pool_lp,
                                            logit_ids=vocab_ids))
     assert torch.equal(tokens_w, tokens_n)
+
 
 def test_the_ce_weight_falls_to_its_final_value_over_training():
     drafter, relay, batch = _joint(DRelaySettings(reader_dim=32, reader_heads=4, ce_weight_final=0.25, lattice_ce=0.0))
