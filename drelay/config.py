@@ -345,6 +345,8 @@ class DRelaySettings:
     lattice_bigram: bool = False  # the lattice also holds a plain low-rank bigram (W_h gets a bias, 1 at the start)
     lattice_pool: bool = False  # the pool is the top-k of z_i + L_i(prev, ·) over the vocabulary (not of z_i alone);
     # the engine then hands the relay the logits
+    lattice_pool_first: bool = False  # lattice_pool at position 1 only: its predecessor is the anchor, so the pool
+    # there is the same in training and inference (the later pools stay the top-k of z_i)
     lattice_coadapt: bool = False  # the lattice CE's z keeps its gradient (the backbone learns the bigram's residual)
     lattice_ce: float = 1.0  # weight of the lattice's vocabulary-wide CE: z (detached) + L_i(y_{i-1}, ·) over all
     # V against y_i, so every row of P and S learns (as DSpark's bigram does), not only the pool's (0: off)
@@ -382,6 +384,8 @@ class DRelaySettings:
                  "false when lattice_rank is 0", self.lattice_bigram)
         _require(not self.lattice_pool or self.lattice_rank > 0, "lattice_pool",
                  "false when lattice_rank is 0", self.lattice_pool)
+        _require(not self.lattice_pool_first or self.lattice_rank > 0, "lattice_pool_first",
+                 "false when lattice_rank is 0", self.lattice_pool_first)
         _require(not self.lattice_coadapt or self.lattice_ce > 0, "lattice_coadapt",
                  "false when lattice_ce is 0 (it is that CE's gradient)", self.lattice_coadapt)
         _require(not self.lattice_ce or self.lattice_rank > 0, "lattice_ce",
@@ -402,6 +406,7 @@ class DRelayLiteSettings(DRelaySettings):
     lattice_coadapt: bool = False
     lattice_bigram: bool = False
     lattice_pool: bool = False
+    lattice_pool_first: bool = False
     anchor_token: bool = False
     calibrate: bool = False
     coadapt: bool = False

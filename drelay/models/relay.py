@@ -78,6 +78,8 @@ class RelayConfig:
     lattice_messages: bool = False  # forward/backward lattice messages as reader inputs
     lattice_bigram: bool = False  # the lattice's query gets a learned bias b (= 1 at the start): <P[p] ⊙ (W_h h + b), S[c]>
     lattice_pool: bool = False  # the pool is the top-k of z_i + L_i(prev, ·) over the vocabulary, not of z_i alone
+    lattice_pool_first: bool = False  # the same at position 1 only, where prev is the anchor (known in training and
+    # inference alike); the later pools stay the top-k of z_i
     anchor_token: bool = False  # the anchor as a reader token
     calibrate: bool = False  # σ in float32, per-position scale a_i on s and bias b_i on the native
     beam_width: int = 1  # select: a beam of this width over the block (1: the greedy walk)
@@ -93,8 +95,9 @@ class RelayConfig:
                              f"{self.reader_dim}/{self.reader_heads}")
         if (self.token_rank or self.lattice_rank) and self.vocab_size < 1:
             raise ValueError("token tables and the lattice need vocab_size >= 1")
-        if (self.lattice_messages or self.lattice_bigram or self.lattice_pool) and not self.lattice_rank:
-            raise ValueError("lattice_messages, lattice_bigram and lattice_pool need lattice_rank >= 1")
+        if (self.lattice_messages or self.lattice_bigram or self.lattice_pool or self.lattice_pool_first) \
+                and not self.lattice_rank:
+            raise ValueError("lattice_messages, lattice_bigram and lattice_pool need lattice_rank >= 1 (lattice_pool_first too)")
         if self.beam_width < 1:
             raise ValueError(f"beam_width must be >= 1, got {self.beam_width}")
         if not 0 <= self.table_rows <= self.vocab_size + 1:
@@ -419,7 +422,8 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
                                 bilinear_rank=settings.bilinear_rank, token_rank=settings.token_rank,
                                 lattice_rank=settings.lattice_rank, lattice_messages=settings.lattice_messages,
                                 lattice_bigram=settings.lattice_bigram, lattice_pool=settings.lattice_pool,
-                                anchor_token=settings.anchor_token, calibrate=settings.calibrate,
+                                lattice_pool_first=settings.lattice_pool_first, anchor_token=settings.anchor_token,
+                                calibrate=settings.calibrate,
                                 beam_width=settings.beam_width)
         relay.settings = settings
         return relay
@@ -442,13 +446,13 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
     @property
     def needs_logits(self) -> bool:
         """A lattice pool is drawn from the whole vocabulary: the engine must hand over the logits."""
-        return self.config.lattice_pool
+        return self.config.lattice_pool or self.config.lattice_pool_first
 
     @property
     def narrow_logits(self) -> bool:
         """A lattice pool also takes the logits over the draft vocabulary only (block.logit_ids): every other
         id's logit is OUT_OF_VOCAB, never in a top-k, so the pool is the same at a fraction of the cost."""
-        return self.config.lattice_pool
+        return self.config.lattice_pool or self.config.lattice_pool_first
 
     def lattice_pool(self, logits: torch.Tensor, hidden: torch.Tensor, anchor_ids: torch.Tensor,
                      prefix_ids: torch.Tensor | None = None,
@@ -475,6 +479,20 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
                 prev = columns[-1][:, 0] if ids is None else ids[columns[-1][:, 0]]
             cols = torch.stack(columns, dim=1)
         return (cols if ids is None else ids[cols]), logprobs.gather(-1, cols)
+
+    @torch.no_grad()
+    def with_first_lattice_pool(self, logits, hidden, anchor_ids, pool_ids, pool_logprobs, ids=None):
+        """config.lattice_pool_first: the pool (..., n, k) with position 1's candidates replaced by the top-k of
+        z_1 + L_1(anchor, ·) over the vocabulary (`lattice_pool` of that one position; its predecessor is the
+        anchor, so training and inference see the same pool there). logits (..., n, C), hidden (..., n, H),
+        anchor_ids (...); ids (C,): each logit column's token id (None: column j is token j)."""
+        lead, n, k = pool_ids.shape[:-2], pool_ids.shape[-2], pool_ids.shape[-1]
+        first_ids, first_lp = self.lattice_pool(logits[..., :1, :].reshape(-1, 1, logits.shape[-1]),
+                                                hidden[..., :1, :].reshape(-1, 1, hidden.shape[-1]),
+                                                anchor_ids.reshape(-1), ids=ids)
+        pool_ids = torch.cat([first_ids.view(*lead, 1, k), pool_ids[..., 1:, :]], dim=-2)
+        pool_logprobs = torch.cat([first_lp.view(*lead, 1, k).to(pool_logprobs.dtype), pool_logprobs[..., 1:, :]], dim=-2)
+        return pool_ids, pool_logprobs
 
     # ------------------------------------------------------------------ the repair-method interface
     def joint_loss(self, drafter, hidden, labels, anchor_ids, *, gamma, progress):
@@ -504,7 +522,7 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
             hinge = support_hinge(logits, draft_labels, k, cfg.hinge_margin, hinge_gamma)
             pool_cols, pool_logprobs = candidate_pool(logits.detach(), k)  # (..., n, k)
         pool_ids = pool_cols if columns is None else columns[pool_cols]
-        if logits is None and (self.config.lattice_pool or (cfg.lattice_ce and self.lattice is not None)):
+        if logits is None and (self.needs_logits or (cfg.lattice_ce and self.lattice is not None)):
             with torch.set_grad_enabled(cfg.lattice_coadapt and torch.is_grad_enabled()):  # the fused op never
                 logits = F.linear(normed, weight)  # made the logits: the lattice's terms need them
         if self.config.lattice_pool:  # teacher-forced: the pool after the true predecessor, over the drafter's columns
@@ -514,6 +532,10 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
                                                             hidden.detach().reshape(-1, n, hidden.shape[-1]),
                                                             anchor_ids.reshape(-1), labels.reshape(-1, n), columns)
             pool_ids, pool_logprobs = pool_ids.view(*lead, n, k), pool_logprobs.view(*lead, n, k)
+            pool_cols = drafter.draft_positions(pool_ids, IGNORE).clamp(min=0)
+        elif self.config.lattice_pool_first:  # position 1's pool after the anchor: the same in training and inference
+            pool_ids, pool_logprobs = self.with_first_lattice_pool(logits.detach(), hidden.detach(), anchor_ids,
+                                                                   pool_ids, pool_logprobs, columns)
             pool_cols = drafter.draft_positions(pool_ids, IGNORE).clamp(min=0)
         z_pool = None
         if cfg.coadapt:
@@ -660,6 +682,11 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
                 raise RelayError("a lattice-pool relay needs the block's logits (the engine gives them: needs_logits)")
             pool_ids, pool_logprobs = self.lattice_pool(block.logits, block.hidden, block.anchor_ids,
                                                         ids=block.logit_ids)
+        elif self.config.lattice_pool_first:
+            if block.logits is None:
+                raise RelayError("a lattice-pool relay needs the block's logits (the engine gives them: needs_logits)")
+            pool_ids, pool_logprobs = self.with_first_lattice_pool(block.logits, block.hidden, block.anchor_ids,
+                                                                   block.pool_ids, block.pool_logprobs, block.logit_ids)
         else:
             pool_ids, pool_logprobs = block.pool_ids, block.pool_logprobs
         # the walk stops at the last draft the target checks (block.checked): the walk is causal, so its choices

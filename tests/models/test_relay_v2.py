@@ -285,3 +285,28 @@ def test_drelay_lite_is_drelay_with_every_v2_part_off(tmp_path):
     assert v2.lattice is not None and v2.reader.tokens is not None and v2.config.calibrate
     with pytest.raises(Exception, match="lattice_messages"):
         DRelaySettings(lattice_rank=0)
+
+
+def test_a_first_lattice_pool_replaces_only_position_1s_candidates():
+    """lattice_pool_first: position 1's pool is lattice_pool's (after the anchor), every later pool the drafter's;
+    joint_loss trains through it and select picks position 1's token from that pool."""
+    settings = DRelaySettings(reader_dim=32, reader_heads=4, lattice_rank=8, lattice_pool_first=True, lattice_bigram=True)
+    drafter, relay, batch = _joint(settings)
+    assert relay.needs_logits and relay.narrow_logits
+    torch.nn.init.normal_(relay.lattice.successor, std=10.0)
+    hidden = block_hidden(drafter, batch).detach()
+    b, nA, n, H = hidden.shape
+    hidden, anchors = hidden.reshape(b * nA, n, H), batch.anchor_ids.reshape(-1)
+    logits = drafter.logits(hidden).detach()
+    plain_ids, plain_lp = candidate_pool(logits, relay.config.pool_size)
+    full_ids, full_lp = relay.lattice_pool(logits, hidden, anchors)
+    ids, lp = relay.with_first_lattice_pool(logits, hidden, anchors, plain_ids, plain_lp)
+    assert torch.equal(ids[:, 0], full_ids[:, 0]) and torch.equal(ids[:, 1:], plain_ids[:, 1:])
+    torch.testing.assert_close(lp[:, 0], full_lp[:, 0])
+    assert not torch.equal(ids[:, 0], plain_ids[:, 0])
+    loss, _ = relay.joint_loss(drafter, block_hidden(drafter, batch), batch.labels, batch.anchor_ids, gamma=4.0,
+                               progress=0.0)
+    loss.backward()
+    assert bool(torch.isfinite(loss)) and float(relay.lattice.successor.grad.abs().sum()) > 0
+    tokens = relay.select(DraftBlock(anchors, anchors * 0, hidden, logits, plain_ids, plain_lp))
+    assert bool((ids[:, 0] == tokens[:, :1]).any(-1).all())
