@@ -181,5 +181,19 @@ def test_distill_and_train_dflash_under_torchrun_make_the_one_process_outputs(in
     assert trained[2]["best_val_loss"] == pytest.approx(trained[1]["best_val_loss"], rel=1e-5)
     weights = {n: load_file(repo / f"models/drafter_p{n}/model.safetensors") for n in (1, 2)}
     assert weights[1].keys() == weights[2].keys() and len(weights[1]) > 5
+    # Two ranks average two half-batch means where one process takes one mean: the same gradient up to float
+    # rounding. Adam divides each element's gradient by its own running RMS, so where an element's gradient is
+    # itself at rounding level (its blocks cancel) that rounding can move its update by up to the step size
+    # (seen: 1 element of 53,600 off by 8.8e-6 on an AMD EPYC). So: all but a few elements in 10^4 agree to
+    # float32 noise, and none is further apart than Adam's steps could carry it (each at most ~lr per element).
+    # A rank that skipped the all-reduce (its own half-batch gradient) moves most elements by ~lr: it fails both.
+    import yaml
+    lr = float(yaml.safe_load((repo / "params.yaml").read_text())["train"]["lr"])
+    total = off = 0
     for name, want in weights[1].items():
-        torch.testing.assert_close(weights[2][name], want, rtol=1e-5, atol=5e-6, msg=name)
+        got = weights[2][name]
+        assert got.shape == want.shape, name
+        far = ~torch.isclose(got, want, rtol=1e-5, atol=5e-6)
+        total, off = total + want.numel(), off + int(far.sum())
+        assert float((got - want).abs().max()) <= 2 * lr * trained[1]["steps"], name
+    assert off <= max(1, total // 10_000), f"{off} of {total} weights differ beyond float32 noise"
