@@ -249,6 +249,8 @@ class SpeculativeDecoder:
     def generate(self, prompt_ids: list[int], max_new_tokens: int, stop_token_ids=()) -> GenerationResult:
         check_context(self.target, len(prompt_ids), max_new_tokens, lookahead=self.block_size)
         self.target.measure_few_row_orders()  # once per process, before the timer (cpu_linear.py's auto mode)
+        if self.method is not None:
+            self.method.prepare_inference()  # its grad-free tables, before the timer (built once, then kept)
         stats, stop = GenerationStats(prompt_tokens=len(prompt_ids)), set(stop_token_ids)
         start = time.perf_counter()
         state = self.start(prompt_ids, stats)

@@ -44,6 +44,31 @@ if TYPE_CHECKING:
     from drelay.models.drafter import BlockDrafter
 
 MIN_LOGPROB = -30.0  # pool log-probs are clamped here before f(s): lower all means "never"
+FEW_QUERY_ROWS = 8  # `Lattice.vocabulary` of at most this many grad-free float32 CPU rows: the float16 table
+
+
+class Derived:
+    """A tensor derived from some parameters and buffers (a table over the vocabulary), kept for grad-free calls
+    while every source is unchanged: the same storage at the same version counter (an optimizer step, a
+    load_state_dict or a `.to` changes one or the other). Sources that are inference tensors carry no version:
+    then it is rebuilt each time. Not part of the state dict."""
+
+    def __init__(self):
+        self._stamp, self._value = None, None
+
+    def get(self, sources: list[torch.Tensor], build) -> torch.Tensor:
+        if any(t.is_inference() for t in sources):
+            return build()
+        stamp = tuple((t.data_ptr(), t._version, t.dtype, t.device, tuple(t.shape)) for t in sources)
+        if stamp != self._stamp:
+            self._value = None  # the old table's memory first
+            self._value, self._stamp = build(), stamp
+        return self._value
+
+
+def vocabulary_table(ids_fn, vocab_size: int, device, chunk: int = 8192) -> torch.Tensor:
+    """ids_fn(ids) (t,) -> (t, d) for every id 0..vocab_size-1, built `chunk` ids at a time -> (V, d)."""
+    return torch.cat([ids_fn(ids) for ids in torch.arange(vocab_size, device=device).split(chunk)])
 
 
 def wide(x: torch.Tensor) -> torch.Tensor:
@@ -114,6 +139,7 @@ class TableRows(nn.Module):
         self.count, self.compact = rows or vocab_size, bool(rows)
         if rows:
             self.register_buffer("row_of", torch.zeros(vocab_size, dtype=torch.long))
+        self._is_vocabulary = Derived()  # `of_vocabulary`'s check, per ids tensor (the engine passes the same)
 
     def set_vocabulary(self, vocab_ids: torch.Tensor) -> None:
         if not self.compact or vocab_ids.numel() != self.count - 1:
@@ -128,10 +154,11 @@ class TableRows(nn.Module):
     def of_vocabulary(self, ids: torch.Tensor) -> slice | torch.Tensor:
         """The rows of `ids` (N_ids,) as an index: the slice :N when they are the draft vocabulary itself (a view,
         no copy), else a tensor of rows."""
-        if self.compact and ids.numel() == self.count - 1 and torch.equal(
-                self.row_of[ids], torch.arange(ids.numel(), device=ids.device)):
-            return slice(0, ids.numel())
-        return self(ids)
+        if not self.compact or ids.numel() != self.count - 1:
+            return self(ids)
+        same = self._is_vocabulary.get([ids, self.row_of], lambda: torch.tensor(torch.equal(
+            self.row_of[ids], torch.arange(ids.numel(), device=ids.device))))
+        return slice(0, ids.numel()) if same else self(ids)
 
 
 class TokenTable(nn.Module):
@@ -165,6 +192,11 @@ class Lattice(nn.Module):
         if bigram:
             nn.init.ones_(self.hidden_proj.bias)
         self.scale = rank ** -0.5  # a sum of r terms: the score stays O(1) as r grows (as the bilinear term)
+        self._half_successor = Derived()
+
+    def half_successor(self) -> torch.Tensor:
+        """S in float16 (rows as S), kept while S is unchanged: `vocabulary`'s few-row products read it."""
+        return self._half_successor.get([self.successor], lambda: self.successor.detach().half())
 
     def query(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """P[p] ⊙ W_h h_i: predecessors (...), hidden (..., H) -> (..., r)."""
@@ -178,12 +210,20 @@ class Lattice(nn.Module):
     def vocabulary(self, prev_ids: torch.Tensor, hidden: torch.Tensor,
                    ids: torch.Tensor | None = None) -> torch.Tensor:
         """L_i(y_{i-1}, v) for every token v (or every v in `ids`, (N_ids,)): predecessors (N, n), hidden (N, n, H)
-        -> (N, n, V or N_ids), >= float32."""
-        if ids is None:
-            successor = self.successor[self.index.row_of] if self.index.compact else self.successor
-        else:
-            successor = self.successor[self.index.of_vocabulary(ids)]
-        return wide(self.query(prev_ids, hidden) @ successor.T) * self.scale
+        -> (N, n, V or N_ids), >= float32.
+
+        A grad-free float32 product of at most FEW_QUERY_ROWS rows on CPU (the live decoders' position-1 pool)
+        reads a float16 copy of S instead, kept while S is unchanged: on CPU that product is bound by reading
+        S (V x r, 8 MB at r = 256, out of cache after a target forward), and half the bytes take a third of the
+        time on a 2-core EPYC (~0.27 vs ~0.83 ms); the products are summed in float32, within ~2e-4 of the float32
+        L at r = 256 (rounding can swap near-tied candidates of the pool, which verification makes harmless)."""
+        rows = ((self.index.row_of if self.index.compact else slice(None)) if ids is None
+                else self.index.of_vocabulary(ids))
+        query = self.query(prev_ids, hidden)
+        if (not torch.is_grad_enabled() and query.device.type == "cpu" and query.dtype == torch.float32
+                and query.numel() // query.shape[-1] <= FEW_QUERY_ROWS):
+            return F.linear(query.half(), self.half_successor()[rows]).float() * self.scale
+        return wide(query @ self.successor[rows].T) * self.scale
 
     def table(self, anchor_ids: torch.Tensor, pool_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """Over the pools: anchor (N,), pool_ids (N, n, k), hidden (N, n, H) -> T (N, n, k, k) (>= float32) with
@@ -243,16 +283,16 @@ class GlobalReader(nn.Module):
         x = self.A(embeds)
         return x if self.tokens is None else x + self.tokens(ids)
 
-    def forward(self, cand_embeds: torch.Tensor, pool_ids: torch.Tensor, hidden: torch.Tensor,
+    def forward(self, cand_inputs: torch.Tensor, hidden: torch.Tensor,
                 pool_logprobs: torch.Tensor, messages: torch.Tensor | None = None,
                 anchor: torch.Tensor | None = None, positions: int | None = None):
-        """cand_embeds (N, n, k, H), pool_ids (N, n, k), hidden (N, n, H), pool_logprobs (N, n, k), messages
+        """cand_inputs (N, n, k, d): `token_input` of the pool, hidden (N, n, H), pool_logprobs (N, n, k), messages
         (N, n, k, 3) | None, anchor input (N, d) | None -> g (N, n, k, d), support (N, n, k), g_anchor (N, d) | None.
         positions: only the first `positions` positions' outputs are wanted (a walk that stops there): every
         candidate is still read, and the last layer computes only the wanted tokens (g, support: (N, positions, k))."""
-        N, n, k, _ = cand_embeds.shape
+        N, n, k, _ = cand_inputs.shape
         s = pool_logprobs.clamp(min=MIN_LOGPROB)[..., None]  # (N, n, k, 1)
-        u = self.token_input(cand_embeds, pool_ids) + self.Bh(hidden)[:, :, None] + self.f(s) \
+        u = cand_inputs + self.Bh(hidden)[:, :, None] + self.f(s) \
             + self.pos[:n, None] + self.rank[:k]
         if self.messages is not None:
             u = u + self.messages(messages.to(u.dtype))
@@ -301,15 +341,19 @@ class CausalSelector(nn.Module):
             if self.bilinear_rank:
                 nn.init.zeros_(self.prefix_proj.weight)
 
-    def prefix_inputs(self, token_embeds, token_ids, feature=None, has_feature=None) -> torch.Tensor:
-        """Tokens `token_ids` (N, t) with frozen embeddings (N, t, H), the chosen candidates' g (N, t, d)
-        where has_feature (N, t) -> (N, t, d). feature without has_feature: every position has one."""
+    def token_input(self, embeds: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """proj(E(ŷ)) [+ T_in[ŷ]] for tokens `ids` (...) with frozen embeddings (..., H) -> (..., d)."""
+        x = self.embed_proj(embeds)
+        return x if self.tokens is None else x + self.tokens(ids)
+
+    def prefix_inputs(self, token_inputs, feature=None, has_feature=None) -> torch.Tensor:
+        """Tokens with `token_input` (N, t, d), the chosen candidates' g (N, t, d) where has_feature (N, t)
+        -> (N, t, d). feature without has_feature: every position has one."""
         if feature is None:
             feat = self.no_feature
         else:
             feat = feature if has_feature is None else torch.where(has_feature[..., None], feature, self.no_feature)
-        x = self.embed_proj(token_embeds) + feat
-        return x if self.tokens is None else x + self.tokens(token_ids)
+        return token_inputs + feat
 
     def prefix_states(self, inputs: torch.Tensor, state=None):
         """Inputs of ŷ_m..ŷ_{m+t-1} (N, t, d) -> r_{m+1}..r_{m+t} (N, t, d) and the state to continue from."""
@@ -395,6 +439,7 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         self.lattice = (Lattice(cfg.vocab_size, cfg.hidden_size, cfg.lattice_rank, cfg.lattice_bigram,
                                 cfg.table_rows) if cfg.lattice_rank else None)
         self.shared: SharedEmbedding | None = None
+        self._token_tables: dict[str, Derived] = {}  # `token_inputs`' tables, by part
         self.ops: Ops = REFERENCE
         self.settings: DRelaySettings | None = None  # the joint objective's settings (set by `create`)
 
@@ -597,11 +642,39 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
     def eval_metrics(self) -> dict[str, float]:
         return {"repair_margin": self.config.repair_margin}
 
+    @torch.no_grad()
+    def prepare_inference(self) -> None:
+        """The reader's and the prefix's token tables and the lattice's float16 S (`token_inputs`,
+        `Lattice.vocabulary`), built before a timed decode (each takes ~0.1-0.3 s on 2 CPU cores)."""
+        if self.shared is None:
+            return
+        ids = torch.zeros(1, dtype=torch.long, device=self.shared.embed_tokens.weight.device)
+        self.token_inputs(self.reader, ids)
+        self.token_inputs(self.selector, ids)
+        if self.lattice is not None and self.needs_logits:
+            self.lattice.half_successor()
+
     # ------------------------------------------------------------------------------ computation
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.shared is None:
             raise RelayError("relay has no embedding: call relay.attach(target.embed_tokens) first")
         return self.shared.embed_tokens(ids).to(self.reader.A.weight.dtype)
+
+    def token_inputs(self, part: GlobalReader | CausalSelector, ids: torch.Tensor) -> torch.Tensor:
+        """`part.token_input` of tokens `ids` (...) -> (..., d): the reader's A·E(c) [+ T_c[c]] or the prefix's
+        proj(E(ŷ)) [+ T_in[ŷ]]. Grad-free calls read it from a table over the whole vocabulary (V x d), built
+        once and kept while the embedding and the part's weights are unchanged: one gather instead of an
+        embedding lookup, a product and a token-table lookup per call (the same values up to float rounding)."""
+        if torch.is_grad_enabled() or self.shared is None:  # (embed names a missing embedding)
+            return part.token_input(self.embed(ids), ids)
+        tokens = [part.tokens] if part.tokens is not None else []
+        proj = part.A if part is self.reader else part.embed_proj
+        sources = [self.shared.embed_tokens.weight, *proj.parameters(),
+                   *(t for m in tokens for t in (*m.parameters(), *m.buffers()))]
+        cache = self._token_tables.setdefault("reader" if part is self.reader else "selector", Derived())
+        table = cache.get(sources, lambda: vocabulary_table(lambda v: part.token_input(self.embed(v), v),
+                                                            self.shared.embed_tokens.weight.shape[0], ids.device))
+        return F.embedding(ids, table)  # a row gather (faster on CPU than table[ids])
 
     def read(self, hidden, pool_ids, pool_logprobs, anchor_ids, need_table: bool = True, positions: int | None = None):
         """hidden (N, n, H), pool (N, n, k), anchor_ids (N,) -> g (N, n, k, d), support logits (N, n, k), the
@@ -622,8 +695,8 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
             messages = lattice_messages(wide(pool_logprobs.detach()).clamp(min=MIN_LOGPROB), table)
         anchor = None
         if self.reader.anchor_pos is not None:
-            anchor = self.reader.token_input(self.embed(anchor_ids), anchor_ids)
-        g, support, g_anchor = self.reader(self.embed(pool_ids), pool_ids, hidden, pool_logprobs.to(dtype),
+            anchor = self.token_inputs(self.reader, anchor_ids)
+        g, support, g_anchor = self.reader(self.token_inputs(self.reader, pool_ids), hidden, pool_logprobs.to(dtype),
                                            messages, anchor, positions)
         return g, support, g_anchor, table
 
@@ -631,7 +704,7 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         """The prefix input of ŷ_0 = the anchor (N, 1, d): its reader feature when it is a reader token."""
         ids = anchor_ids.reshape(-1, 1)
         feature = None if g_anchor is None else g_anchor[:, None]
-        return self.selector.prefix_inputs(self.embed(ids), ids, feature)
+        return self.selector.prefix_inputs(self.token_inputs(self.selector, ids), feature)
 
     def _inputs(self, g, pool_ids, tokens):
         """Prefix inputs of tokens (N, t) sitting at the positions of g (N, t, k, d), pool_ids (N, t, k)."""
@@ -639,7 +712,7 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         match = pool_ids == tokens[..., None]  # (N, t, k)
         j = match.long().argmax(-1)  # (N, t): which candidate (0 when not in the pool)
         chosen = g.gather(2, j[..., None, None].expand(-1, -1, 1, g.shape[-1])).squeeze(2)  # (N, t, d)
-        return self.selector.prefix_inputs(self.embed(tokens), tokens, chosen, match.any(-1))
+        return self.selector.prefix_inputs(self.token_inputs(self.selector, tokens), chosen, match.any(-1))
 
     def score(self, hidden, pool_ids, pool_logprobs, anchor_ids, prefix_ids, scores=None):
         """Teacher-forced σ and support logits (..., n, k), all positions in parallel.
@@ -699,7 +772,7 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         sel = self.selector
         terms = sel.candidate_terms(g, pool_logprobs)  # the candidate-only parts of σ, once
         # the prefix input each candidate would feed if chosen (chosen tokens are always in the pool)
-        chosen_inputs = sel.prefix_inputs(self.embed(pool_ids), pool_ids, g)
+        chosen_inputs = sel.prefix_inputs(self.token_inputs(sel, pool_ids), g)
         anchor = self.anchor_input(block.anchor_ids, g_anchor)  # (b, 1, d)
         if self.config.beam_width > 1 and prefix_ids is None:
             choice, sigma = self._beam_select(terms, chosen_inputs, anchor, table, repair_margin)

@@ -8,6 +8,7 @@ pool) and returns the draft tokens to verify. Every method implements the same f
     save(folder) / load(folder, embed_tokens)   its weights, if it has any (`folder_name`)
     joint_loss(drafter, hidden, labels, ...)    teacher-forced scores and the method's whole joint loss
     select(block)                               sequential repair of one block: the engine's hook
+    prepare_inference()                         build what grad-free selects reuse, before a timed decode
     tune(score)                                 settings chosen on held-out replay after training (δ)
 
 `dflash` (the native top-1, no head) and `oracle` (the true token whenever it is in the pool, for
@@ -107,6 +108,11 @@ class RepairMethod(nn.Module):
     def forward(self, block: DraftBlock) -> torch.Tensor:
         """The engine's repair hook."""
         return self.select(block)
+
+    def prepare_inference(self) -> None:
+        """Build what grad-free `select` calls reuse (e.g. tables over the vocabulary) now, so that a timed
+        decode does not pay for it on its first step; the live decoders call it before their timer. The base
+        has nothing to build."""
 
     def tune(self, score: Score) -> dict[float, float]:
         """After training: choose inference settings by held-out replay τ; {candidate: τ} ({} if none)."""
