@@ -66,11 +66,6 @@ class Derived:
         return self._value
 
 
-def vocabulary_table(ids_fn, vocab_size: int, device, chunk: int = 8192) -> torch.Tensor:
-    """ids_fn(ids) (t,) -> (t, d) for every id 0..vocab_size-1, built `chunk` ids at a time -> (V, d)."""
-    return torch.cat([ids_fn(ids) for ids in torch.arange(vocab_size, device=device).split(chunk)])
-
-
 def wide(x: torch.Tensor) -> torch.Tensor:
     """At least float32 (a calibrated σ; float64 stays float64)."""
     return x if x.dtype == torch.float64 else x.float()
@@ -175,6 +170,10 @@ class TokenTable(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.proj(self.table(self.index(ids)))
+
+    def sources(self) -> list[torch.Tensor]:
+        """The tensors its rows come from (what a `Derived` table of them is stamped with)."""
+        return [self.table.weight, self.proj.weight, *([self.index.row_of] if self.index.compact else [])]
 
 
 class Lattice(nn.Module):
@@ -283,6 +282,10 @@ class GlobalReader(nn.Module):
         x = self.A(embeds)
         return x if self.tokens is None else x + self.tokens(ids)
 
+    def token_sources(self) -> list[torch.Tensor]:
+        """The weights `token_input` reads besides the embedding (attribute reads: on the select path)."""
+        return [self.A.weight, *(self.tokens.sources() if self.tokens is not None else [])]
+
     def forward(self, cand_inputs: torch.Tensor, hidden: torch.Tensor,
                 pool_logprobs: torch.Tensor, messages: torch.Tensor | None = None,
                 anchor: torch.Tensor | None = None, positions: int | None = None):
@@ -345,6 +348,10 @@ class CausalSelector(nn.Module):
         """proj(E(ŷ)) [+ T_in[ŷ]] for tokens `ids` (...) with frozen embeddings (..., H) -> (..., d)."""
         x = self.embed_proj(embeds)
         return x if self.tokens is None else x + self.tokens(ids)
+
+    def token_sources(self) -> list[torch.Tensor]:
+        """The weights `token_input` reads besides the embedding (attribute reads: on the select path)."""
+        return [self.embed_proj.weight, *(self.tokens.sources() if self.tokens is not None else [])]
 
     def prefix_inputs(self, token_inputs, feature=None, has_feature=None) -> torch.Tensor:
         """Tokens with `token_input` (N, t, d), the chosen candidates' g (N, t, d) where has_feature (N, t)
@@ -667,13 +674,10 @@ class DRelay(EmbeddingBoundFolder, RepairMethod):
         embedding lookup, a product and a token-table lookup per call (the same values up to float rounding)."""
         if torch.is_grad_enabled() or self.shared is None:  # (embed names a missing embedding)
             return part.token_input(self.embed(ids), ids)
-        tokens = [part.tokens] if part.tokens is not None else []
-        proj = part.A if part is self.reader else part.embed_proj
-        sources = [self.shared.embed_tokens.weight, *proj.parameters(),
-                   *(t for m in tokens for t in (*m.parameters(), *m.buffers()))]
+        weight = self.shared.embed_tokens.weight
         cache = self._token_tables.setdefault("reader" if part is self.reader else "selector", Derived())
-        table = cache.get(sources, lambda: vocabulary_table(lambda v: part.token_input(self.embed(v), v),
-                                                            self.shared.embed_tokens.weight.shape[0], ids.device))
+        table = cache.get([weight, *part.token_sources()], lambda: torch.cat(
+            [part.token_input(self.embed(v), v) for v in torch.arange(weight.shape[0], device=ids.device).split(8192)]))
         return F.embedding(ids, table)  # a row gather (faster on CPU than table[ids])
 
     def read(self, hidden, pool_ids, pool_logprobs, anchor_ids, need_table: bool = True, positions: int | None = None):
