@@ -20,7 +20,7 @@ import torch
 
 from drelay.decoding.verify import rejection_accept, residual_noise, sample_tokens
 from drelay.kernels.ops import kernel_ops
-from drelay.kernels.reference import target_probs
+from drelay.kernels.acceptance import target_probs
 from drelay.models.cpu_linear import decoding_products
 from drelay.models.drafter import BlockDrafter, DraftContextCache
 from drelay.models.repair import DraftBlock, RepairMethod

@@ -1,13 +1,13 @@
 """Verification at decoding time (DESIGN §1.5): the randomness of the lossless rules and DFlash's
 "sample and match" option. The acceptance maths itself is the kernels' spec
-(`drelay.kernels.reference`: greedy_accept, residual_accept, target_probs).
+(`drelay.kernels.acceptance`: greedy_accept, residual_accept, target_probs).
 """
 
 from __future__ import annotations
 
 import torch
 
-from drelay.kernels.reference import residual_accept, target_probs
+from drelay.kernels.acceptance import residual_accept, target_probs
 
 SAMPLING_RULES = ("residual", "match")
 
