@@ -59,6 +59,28 @@ def timed(totals: Counter, label: str, fn):
     return wrapper
 
 
+def live_blocks(params, target, method: str, num_prompts: int, steps: int, caller: str):
+    """(the DRelay method, the blocks its live decoder proposes: `steps` per prompt on the first `num_prompts`
+    validation prompts, the prompts), with the relay's inference tables built (`prepare_inference`)."""
+    spec = load_speculator(target, params.joint.common.out_dir, method)
+    relay = spec.method
+    if not isinstance(relay, relay_module.DRelay):
+        sys.exit(f"{caller}: {method} is not a DRelay method ({type(relay).__name__})")
+    decoder = SpeculativeDecoder(target, spec.drafter, relay, pool_size=params.decode.pool_size,
+                                 verify_size=params.decode.verify_size)
+    prompts = [target.encode_chat(r["messages"]) for r in read_jsonl(f"{params.data.out_dir}/val.jsonl")]
+    prompts = [p for p in prompts if len(p) <= params.distill.max_prompt_tokens][:num_prompts]
+    blocks = []
+    with torch.inference_mode():
+        for ids in prompts:
+            state = decoder.start(ids)
+            for _ in range(steps):
+                blocks.append(decoder.propose(state))
+                decoder.step(state)
+    relay.prepare_inference()
+    return relay, blocks, prompts
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--params", default="params.yaml")
@@ -72,22 +94,7 @@ def main() -> None:
     params, target, _ = load_workspace(args.params)
     if args.threads:
         torch.set_num_threads(args.threads)
-    spec = load_speculator(target, params.joint.common.out_dir, args.method)
-    relay = spec.method
-    if not isinstance(relay, relay_module.DRelay):
-        sys.exit(f"select_phases: {args.method} is not a DRelay method ({type(relay).__name__})")
-    decoder = SpeculativeDecoder(target, spec.drafter, relay, pool_size=params.decode.pool_size,
-                                 verify_size=params.decode.verify_size)
-    prompts = [target.encode_chat(r["messages"]) for r in read_jsonl(f"{params.data.out_dir}/val.jsonl")]
-    prompts = [p for p in prompts if len(p) <= params.distill.max_prompt_tokens][: args.prompts]
-    blocks = []
-    with torch.inference_mode():
-        for ids in prompts:
-            state = decoder.start(ids)
-            for _ in range(args.steps):
-                blocks.append(decoder.propose(state))
-                decoder.step(state)
-    relay.prepare_inference()
+    relay, blocks, prompts = live_blocks(params, target, args.method, args.prompts, args.steps, "select_phases")
 
     totals: Counter = Counter()
     saved = []
